@@ -1,0 +1,1 @@
+"""ampscaler: dynamic loss scaling for mixed-precision PyTorch training."""
