@@ -1,0 +1,49 @@
+"""Exceptions raised by ampscaler.
+
+Each one subclasses the built-in exception that ``torch.amp.GradScaler`` raises in the same
+situation, so code written against torch keeps catching what it caught before, while the
+message says what went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "InvalidConfigError",
+    "InvalidStateDictError",
+    "PersistentOverflowError",
+    "ScalerUsageError",
+]
+
+
+class InvalidConfigError(ValueError, AssertionError):
+    """An argument that makes no sense for a loss scaler (``growth_factor=0.9``, ...).
+
+    A :class:`ValueError` as users expect, and an :class:`AssertionError` because that is what
+    ``torch.amp.GradScaler`` raises for the arguments it checks.
+    """
+
+
+class ScalerUsageError(RuntimeError, AssertionError):
+    """A call made in an order the scaler cannot honour (``step()`` before ``scale()``, ...).
+
+    torch raises :class:`RuntimeError` for some wrong orders and :class:`AssertionError` for
+    others; this class is both, so an ``except`` written for torch's scaler still matches.
+    """
+
+
+class InvalidStateDictError(KeyError, ValueError):
+    """A ``state_dict`` that is not a loss scaler's, or whose values are out of range."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; a sentence reads better unquoted.
+        return str(self.args[0]) if self.args else ""
+
+
+class PersistentOverflowError(RuntimeError):
+    """Raised when ``max_consecutive_skips`` steps in a row held inf or NaN gradients.
+
+    Skipping forever is the failure mode this replaces: training that looks alive while no
+    parameter moves. The message says how many steps were skipped, the current scale, whether
+    the gradients held inf or NaN, which parameters were affected when known, and what usually
+    helps.
+    """

@@ -1,0 +1,768 @@
+"""GradScaler: the torch-compatible front, and the per-optimizer stage machine.
+
+Each optimizer moves through three stages within an iteration::
+
+    READY --unscale_()--> UNSCALED --step()--> STEPPED --update()--> READY
+    READY --step()------------------------------^   (step() unscales itself when needed)
+
+The scale policy lives in :mod:`ampscaler.policy`, the gradient work in :mod:`ampscaler.grads`;
+this module only sequences them and keeps torch's semantics, exceptions and ``state_dict`` keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+import torch
+
+from . import counters as counters_
+from .counters import ScalerStats
+from .diagnostics import OverflowReport, ParamNames, locate_overflow
+from .errors import (
+    InvalidConfigError,
+    InvalidStateDictError,
+    PersistentOverflowError,
+    ScalerUsageError,
+)
+from .grads import check_and_unscale_, group_grads
+from .policy import ScalePolicy, ScaleState, adjust, initial_state
+
+__all__ = ["GradScaler", "OptState"]
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+class OptState(enum.Enum):
+    """Where an optimizer is within the current iteration."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass
+class _OptimizerRecord:
+    optimizer: torch.optim.Optimizer
+    stage: OptState = OptState.READY
+    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+
+def _device_type(device: str | torch.device | None) -> str | None:
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return device.type
+    if not isinstance(device, str):
+        raise InvalidConfigError(
+            f"device must be a device type string such as 'cpu' or 'cuda', a torch.device, or "
+            f"None, got {device!r}."
+        )
+    try:
+        return torch.device(device).type
+    except RuntimeError as error:
+        raise InvalidConfigError(
+            f"device {device!r} is not a torch device type ({error}); use 'cpu', 'cuda', ..."
+        ) from error
+
+
+class GradScaler:
+    """Dynamic loss scaling for mixed-precision training; a drop-in ``torch.amp.GradScaler``.
+
+    ``scale(loss)`` multiplies the loss by the scale ``S`` so that small fp16 gradients do not
+    flush to zero; ``step(optimizer)`` unscales the gradients, checks them for inf/NaN and runs
+    ``optimizer.step()`` only when they are finite; ``update()`` moves ``S``: it backs off after
+    an overflow and grows after ``growth_interval`` clean steps.
+
+    With its default arguments the results (parameters, scale, growth tracker) are bit for bit
+    those of ``torch.amp.GradScaler``, its ``state_dict`` loads into torch's scaler and torch's
+    loads into it. Arguments after ``enabled`` are ampscaler's own and keyword-only.
+
+    Example:
+        >>> import torch
+        >>> from ampscaler import GradScaler
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = GradScaler("cpu", init_scale=1024.0)
+        >>> with torch.autocast("cpu", dtype=torch.float16):
+        ...     loss = model(torch.ones(2, 4)).float().pow(2).mean()
+        >>> scaler.scale(loss).backward()
+        >>> scaler.unscale_(opt)                 # optional: to clip or inspect gradients
+        >>> _ = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> scaler.step(opt)
+        >>> scaler.update()
+        >>> scaler.get_scale(), scaler.last_step_skipped
+        (1024.0, False)
+
+    Args:
+        device: device type the scaler runs on ("cpu", "cuda", ...), or ``None`` for the device
+            of the first tensor passed to :meth:`scale`. Like torch, ``"cuda"`` on a machine
+            without CUDA warns and disables the scaler.
+        init_scale: the initial scale.
+        growth_factor: multiplies the scale after ``growth_interval`` clean steps (> 1).
+        backoff_factor: multiplies the scale after an overflow (in (0, 1)).
+        growth_interval: clean steps in a row before the scale grows (>= 1).
+        enabled: ``False`` makes every method a pass-through: ``scale`` returns its input,
+            ``step`` calls ``optimizer.step``, ``get_scale`` returns 1.0.
+        hysteresis: overflows absorbed before the scale backs off; refilled when it grows.
+            Every overflowing step is skipped regardless. ``1`` is torch's rule.
+        min_scale: the scale never backs off below this.
+        max_scale: the scale never grows above this.
+        dynamic: ``False`` keeps the scale at ``init_scale``; non-finite steps are still skipped.
+        max_consecutive_skips: raise :class:`~ampscaler.PersistentOverflowError` from
+            :meth:`update` once this many iterations in a row were skipped, instead of skipping
+            forever. Setting it makes :meth:`update` read one counter from the device (a sync).
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        dynamic: bool = True,
+        max_consecutive_skips: int | None = None,
+    ) -> None:
+        self._policy = ScalePolicy(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            dynamic=dynamic,
+        )
+        self._init_scale = self._policy.check_scale("init_scale", init_scale)
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
+            raise InvalidConfigError(
+                f"max_consecutive_skips must be an int >= 1 or None, got {max_consecutive_skips!r}."
+            )
+        if not isinstance(enabled, bool):
+            raise InvalidConfigError(f"enabled must be True or False, got {enabled!r}.")
+        self._max_consecutive_skips = max_consecutive_skips
+        self._device = _device_type(device)
+        self._enabled = enabled
+        if enabled and self._device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "ampscaler.GradScaler is enabled for 'cuda', but CUDA is not available. Disabling "
+                "(as torch.amp.GradScaler does); pass device='cpu' or None to scale on the CPU.",
+                stacklevel=2,
+            )
+            self._enabled = False
+        # Device state, created lazily on the device of the first scaled tensor.
+        self._state: ScaleState | None = None
+        self._counters: torch.Tensor | None = None
+        # What the device state starts from when it is created (or re-created after unpickling).
+        self._init_growth_tracker = 0
+        self._init_hysteresis_left = hysteresis
+        self._init_stats = ScalerStats()
+        self._per_optimizer: dict[int, _OptimizerRecord] = {}
+        self._last_found_inf: torch.Tensor | bool | None = None
+        self._last_overflow: OverflowReport | None = None
+        self._names = ParamNames()
+
+    # ------------------------------------------------------------------ state plumbing
+
+    def _create_state(self, device: torch.device) -> ScaleState:
+        self._state = initial_state(
+            self._policy,
+            self._init_scale,
+            device,
+            growth_tracker=self._init_growth_tracker,
+            hysteresis_left=self._init_hysteresis_left,
+        )
+        self._counters = counters_.new_counters(device, self._init_stats)
+        if self._device is None:
+            self._device = device.type
+        return self._state
+
+    def _require_state(self, funcname: str) -> ScaleState:
+        if self._state is None:
+            raise ScalerUsageError(
+                f"Attempted {funcname}() but the scale was never used: call "
+                "scaler.scale(loss).backward() earlier in the iteration, before "
+                f"scaler.{funcname}()."
+            )
+        return self._state
+
+    def _record(self, optimizer: torch.optim.Optimizer) -> _OptimizerRecord:
+        record = self._per_optimizer.get(id(optimizer))
+        if record is None:
+            record = self._per_optimizer[id(optimizer)] = _OptimizerRecord(optimizer)
+        return record
+
+    # ------------------------------------------------------------------ scale
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(
+        self, outputs: torch.Tensor | Iterable[torch.Tensor]
+    ) -> torch.Tensor | Iterable[torch.Tensor]:
+        """Multiply a tensor, or every tensor in nested lists/tuples/iterables, by the scale.
+
+        Lists and tuples come back as the same type; other iterables come back as a lazy
+        iterator (as in torch). Disabled: returns ``outputs`` unchanged. No host sync.
+
+        Example:
+            >>> scaler = GradScaler("cpu", init_scale=8.0)
+            >>> scaler.scale([torch.tensor(1.0), (torch.tensor(2.0),)])
+            [tensor(8.), (tensor(16.),)]
+
+        Raises:
+            ValueError: a leaf that is not a tensor.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs * self._scale_on(outputs.device)
+        return self._scale_nested(outputs, {})
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        state = self._state if self._state is not None else self._create_state(device)
+        return state.scale.to(device=device, non_blocking=True)
+
+    def _scale_nested(
+        self, value: object, per_device: dict[torch.device, torch.Tensor]
+    ) -> Any:
+        if isinstance(value, torch.Tensor):
+            scale = per_device.get(value.device)
+            if scale is None:
+                scale = per_device[value.device] = self._scale_on(value.device)
+            return value * scale
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise ValueError(
+                "outputs must be a Tensor or an iterable of Tensors, found a "
+                f"{type(value).__name__}; pass the loss tensor(s) to scale()."
+            )
+        scaled = (self._scale_nested(item, per_device) for item in value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(scaled)
+        return scaled
+
+    # ------------------------------------------------------------------ unscale and step
+
+    def _check_optimizer(self, optimizer: object, funcname: str) -> None:
+        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
+            raise TypeError(
+                f"scaler.{funcname}() expects a torch.optim.Optimizer (an object with "
+                f"param_groups and step()), got {type(optimizer).__name__}."
+            )
+
+    def _prepare_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        # Optimizers that keep float32 master weights (ampscaler.MasterWeightOptimizer) copy
+        # the model's low-precision gradients onto the masters before they are checked.
+        copy_grads = getattr(optimizer, "copy_grads_to_masters", None)
+        if copy_grads is not None:
+            copy_grads()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place, and check them for inf/NaN.
+
+        Optional: :meth:`step` unscales by itself. Call it to clip or inspect true gradients
+        between ``backward()`` and :meth:`step`, once per optimizer per iteration, after all
+        gradients of the iteration have been accumulated. No host sync.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = GradScaler("cpu", init_scale=4.0)
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> scaler.unscale_(opt)
+            >>> model.bias.grad
+            tensor([1.])
+
+        Raises:
+            RuntimeError: called twice for ``optimizer`` in one iteration, or after ``step()``.
+            ValueError: a float16 gradient (see :class:`~ampscaler.MasterWeightOptimizer`).
+
+        Sparse gradients in float16 are coalesced, replacing their ``.grad``.
+        """
+        if not self._enabled:
+            return
+        state = self._require_state("unscale_")
+        self._check_optimizer(optimizer, "unscale_")
+        record = self._record(optimizer)
+        if record.stage is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(). "
+                "Call it at most once per optimizer per iteration, after the last backward()."
+            )
+        if record.stage is OptState.STEPPED:
+            raise RuntimeError(
+                "unscale_() is being called after step(). Call scaler.unscale_(optimizer) "
+                "before scaler.step(optimizer), or not at all: step() unscales by itself."
+            )
+        self._prepare_grads(optimizer)
+        inv_scale = state.scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        groups = group_grads(optimizer, allow_fp16=False)
+        record.found_inf_per_device = check_and_unscale_(groups, inv_scale, found_inf)
+        record.stage = OptState.UNSCALED
+
+    def _combined_found_inf(self, record: _OptimizerRecord, device: torch.device) -> torch.Tensor:
+        flags = [f.to(device, non_blocking=True) for f in record.found_inf_per_device.values()]
+        if not flags:
+            raise ScalerUsageError(
+                "No inf checks were recorded for this optimizer: none of its parameters has a "
+                "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
+                "optimizer's parameters before scaler.step(optimizer)."
+            )
+        combined = flags[0]
+        for flag in flags[1:]:
+            combined = combined + flag
+        return combined
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale ``optimizer``'s gradients if needed, then step it unless they hold inf/NaN.
+
+        ``*args`` and ``**kwargs`` go to ``optimizer.step``; its return value is returned, or
+        ``None`` when the step was skipped. For optimizers that skip inside their own kernel
+        (``_step_supports_amp_scaling``, e.g. ``Adam(fused=True)``) the scale and the inf flag
+        are handed to the optimizer and nothing waits for the device; for all others, deciding
+        whether to step reads one flag from the device (a host sync), as in torch.
+
+        Raises:
+            RuntimeError: a ``closure`` (closures re-evaluate an unscaled loss, which the
+                scaler cannot check), or a second ``step()`` before ``update()``.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise RuntimeError(
+                "Closure use is not currently supported if GradScaler is enabled: compute the "
+                "loss, call scaler.scale(loss).backward(), then scaler.step(optimizer) without "
+                "a closure."
+            )
+        state = self._require_state("step")
+        self._check_optimizer(optimizer, "step")
+        record = self._record(optimizer)
+        if record.stage is OptState.STEPPED:
+            raise RuntimeError(
+                "step() has already been called since the last update(). Call scaler.update() "
+                "once per iteration, after stepping every optimizer."
+            )
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, record, state, args, kwargs)
+        if record.stage is OptState.READY:
+            self.unscale_(optimizer)
+        found_inf = self._combined_found_inf(record, state.scale.device)
+        skipped = bool(found_inf.item())
+        self._last_found_inf = skipped
+        record.stage = OptState.STEPPED
+        if skipped:
+            self._note_overflow([optimizer], state)
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _fused_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _OptimizerRecord,
+        state: ScaleState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if record.stage is OptState.READY:
+            # Check only: the optimizer's kernel unscales with grad_scale as it steps.
+            self._prepare_grads(optimizer)
+            found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+            ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
+            groups = group_grads(optimizer, allow_fp16=True)
+            record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
+            if not record.found_inf_per_device:
+                record.found_inf_per_device = {found_inf.device: found_inf}
+            grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
+        else:
+            grad_scale = getattr(optimizer, "grad_scale", None)
+        found_inf = self._combined_found_inf(record, state.scale.device)
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        record.stage = OptState.STEPPED
+        self._last_found_inf = found_inf
+        return retval
+
+    def _note_overflow(
+        self, optimizers: Iterable[torch.optim.Optimizer], state: ScaleState
+    ) -> None:
+        counters = self._counters
+        step = 0 if counters is None else int(counters[0].item())
+        self._last_overflow = locate_overflow(
+            optimizers, self._names, step=step, scale=float(state.scale.item())
+        )
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Move the scale at the end of an iteration, after every optimizer's ``step()``.
+
+        Without ``new_scale`` the policy decides: back off if any optimizer saw inf/NaN (after
+        the hysteresis budget), grow after ``growth_interval`` clean iterations. With
+        ``new_scale`` (a float, or a one-element tensor of shape ``[]`` or ``[1]``) the scale is
+        set to it; the value is copied, so later changes to the tensor do not affect the scaler.
+
+        No host sync, except: validating a tensor ``new_scale`` reads it, and
+        ``max_consecutive_skips`` reads the skip counter.
+
+        Raises:
+            AssertionError / RuntimeError: no ``step()`` (or ``unscale_``) was recorded in this
+                iteration (:class:`~ampscaler.ScalerUsageError` is both).
+            ValueError: a ``new_scale`` that is not finite, not > 0, outside
+                ``[min_scale, max_scale]``, not one element, or requires grad.
+            PersistentOverflowError: ``max_consecutive_skips`` iterations in a row skipped.
+        """
+        if not self._enabled:
+            return
+        state = self._require_state("update")
+        found_infs = [
+            flag.to(state.scale.device, non_blocking=True)
+            for record in self._per_optimizer.values()
+            for flag in record.found_inf_per_device.values()
+        ]
+        found_inf = None
+        if found_infs:
+            found_inf = found_infs[0]
+            for flag in found_infs[1:]:
+                found_inf = found_inf + flag
+        if new_scale is not None:
+            new_state = state._replace(scale=self._new_scale_tensor(new_scale, state))
+        elif found_inf is None:
+            raise ScalerUsageError(
+                "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
+                "for every optimizer of the iteration before scaler.update()."
+            )
+        else:
+            new_state = adjust(self._policy, state, found_inf)
+        if found_inf is not None and self._counters is not None:
+            counters_.record(self._counters, found_inf, state.scale, new_state.scale)
+        self._state = new_state
+        stepped = [record.optimizer for record in self._per_optimizer.values()]
+        self._per_optimizer = {}
+        if self._max_consecutive_skips is not None and found_inf is not None:
+            self._check_persistent_overflow(stepped, state)
+
+    def _new_scale_tensor(self, new_scale: float | torch.Tensor, state: ScaleState) -> torch.Tensor:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise InvalidConfigError(
+                    "new_scale should be a float or a 1-element tensor with requires_grad=False, "
+                    f"got a tensor of shape {list(new_scale.shape)} with "
+                    f"requires_grad={new_scale.requires_grad}."
+                )
+            self._policy.check_scale("new_scale", float(new_scale.item()))
+            return new_scale.detach().reshape(()).to(
+                device=state.scale.device, dtype=torch.float32, copy=True
+            )
+        value = self._policy.check_scale("new_scale", new_scale)
+        return torch.full((), value, dtype=torch.float32, device=state.scale.device)
+
+    def _check_persistent_overflow(
+        self, optimizers: list[torch.optim.Optimizer], old_state: ScaleState
+    ) -> None:
+        assert self._counters is not None and self._max_consecutive_skips is not None
+        in_a_row = int(self._counters[counters_.FIELDS.index("consecutive_skips")].item())
+        if in_a_row < self._max_consecutive_skips:
+            return
+        report = self._last_overflow
+        if report is None or not report.names:
+            report = locate_overflow(
+                optimizers, self._names, step=self.stats.steps - 1, scale=float(old_state.scale)
+            )
+        kinds = sorted(set(report.kinds.values()))
+        held = " and ".join(kinds) if kinds else "inf/NaN"
+        nan_hint = (
+            " NaN that persists at a small scale is a bug in the model or the data (a log of "
+            "0, a division by zero, a bad sample), not an overflow: look there first."
+            if any("nan" in k for k in kinds)
+            else ""
+        )
+        where = f" Affected: {report}." if report.names else ""
+        raise PersistentOverflowError(
+            f"{in_a_row} optimizer steps in a row were skipped because the gradients held "
+            f"{held} (max_consecutive_skips={self._max_consecutive_skips}); the scale is now "
+            f"{self.get_scale():g}.{where}{nan_hint} What usually helps: a lower learning rate "
+            "or warm-up, gradient clipping after scaler.unscale_(), checking the loss for "
+            "inf/NaN before backward(), or training in bfloat16, whose range needs no scaling."
+        )
+
+    # ------------------------------------------------------------------ observation
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float; 1.0 when disabled. A host sync.
+
+        Example:
+            >>> GradScaler("cpu", init_scale=128.0).get_scale()
+            128.0
+        """
+        if not self._enabled:
+            return 1.0
+        if self._state is None:
+            return self._init_scale
+        return float(self._state.scale.item())
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor without a sync (``None`` before the first ``scale()``)."""
+        return None if self._state is None else self._state.scale
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return self._get_scale_async()
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state.growth_tracker
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._state is None:
+            return self._init_growth_tracker
+        return int(self._state.growth_tracker.item())
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent :meth:`step` skipped ``optimizer.step()`` (False before any).
+
+        Use it to keep LR schedulers and weight averages in step with the parameters::
+
+            scaler.step(optimizer)
+            scaler.update()
+            if not scaler.last_step_skipped:
+                scheduler.step()
+                ema.update_parameters(model)
+
+        A host sync on the fused-optimizer path (it reads the inf flag handed to the kernel);
+        free otherwise, since the decision already read it.
+        """
+        found = self._last_found_inf
+        if isinstance(found, torch.Tensor):
+            found = self._last_found_inf = bool(found.item())
+        return bool(found)
+
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """Which parameters held inf/NaN on the latest skipped step, or ``None`` after a clean one.
+
+        Filled when a step is skipped (on the fused-optimizer path, lazily when read).
+        """
+        if not self.last_step_skipped:
+            return None
+        return self._last_overflow
+
+    @property
+    def stats(self) -> ScalerStats:
+        """Counters so far: steps, skipped, growths, backoffs, consecutive_skips. A host sync.
+
+        Example:
+            >>> GradScaler("cpu").stats
+            ScalerStats(steps=0, skipped=0, growths=0, backoffs=0, consecutive_skips=0)
+        """
+        if self._counters is None:
+            return self._init_stats
+        return ScalerStats.from_tensor(self._counters)
+
+    def watch(self, *models: torch.nn.Module) -> None:
+        """Learn parameter names from ``models`` so overflow reports can name them.
+
+        Example:
+            >>> scaler = GradScaler("cpu")
+            >>> scaler.watch(torch.nn.Linear(2, 2))
+        """
+        for model in models:
+            self._names.watch(model)
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on."""
+        return self._enabled
+
+    # ------------------------------------------------------------------ configuration
+
+    def _replace_policy(self, **changes: Any) -> None:
+        self._policy = dataclasses.replace(self._policy, **changes)
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._policy.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1)."""
+        self._replace_policy(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale backs off by after an overflow."""
+        return self._policy.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        self._replace_policy(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale grows."""
+        return self._policy.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (>= 1)."""
+        self._replace_policy(growth_interval=new_interval)
+
+    @property
+    def policy(self) -> ScalePolicy:
+        """The scale policy in force (read-only; use the setters or a new scaler to change it)."""
+        return self._policy
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state: torch's five keys plus ampscaler's policy state and counters.
+
+        Torch's ``GradScaler.load_state_dict`` reads the five keys it knows and ignores the
+        rest, so this loads into torch's scaler too. Empty when disabled. A host sync. Take it
+        after :meth:`update`.
+
+        Example:
+            >>> sorted(GradScaler("cpu").state_dict())[:5]
+            ['_growth_tracker', '_hysteresis_tracker', 'backoff_factor', 'dynamic', 'growth_factor']
+        """
+        if not self._enabled:
+            return {}
+        hysteresis_left = (
+            self._init_hysteresis_left
+            if self._state is None
+            else int(self._state.hysteresis_left.item())
+        )
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._policy.growth_factor,
+            "backoff_factor": self._policy.backoff_factor,
+            "growth_interval": self._policy.growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            "hysteresis": self._policy.hysteresis,
+            "_hysteresis_tracker": hysteresis_left,
+            "min_scale": self._policy.min_scale,
+            "max_scale": self._policy.max_scale,
+            "dynamic": self._policy.dynamic,
+            "max_consecutive_skips": self._max_consecutive_skips,
+            "stats": self.stats.as_dict(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state saved by this class or by ``torch.amp.GradScaler``.
+
+        Like torch, the checkpoint's configuration (factors, interval, and here also
+        hysteresis, bounds, ``dynamic`` and ``max_consecutive_skips`` when present) replaces
+        the constructor's. A torch state dict leaves ampscaler's own options as constructed
+        and starts the counters at 0. No-op when disabled.
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler).
+            KeyError / ValueError: a dict that is not a scaler's, or holds invalid values
+                (:class:`~ampscaler.InvalidStateDictError` is both).
+        """
+        if not self._enabled:
+            return
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"load_state_dict() expects the dict returned by state_dict(), got "
+                f"{type(state_dict).__name__}."
+            )
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler. Save the state of an enabled scaler, or skip loading."
+            )
+        missing = [key for key in _TORCH_KEYS if key not in state_dict]
+        if missing:
+            raise InvalidStateDictError(
+                f"This is not a GradScaler state dict: it lacks {missing}. Pass the dict "
+                "returned by scaler.state_dict() (torch's or ampscaler's)."
+            )
+        policy = self._policy
+        try:
+            policy = ScalePolicy(
+                growth_factor=state_dict["growth_factor"],
+                backoff_factor=state_dict["backoff_factor"],
+                growth_interval=state_dict["growth_interval"],
+                hysteresis=state_dict.get("hysteresis", policy.hysteresis),
+                min_scale=state_dict.get("min_scale", policy.min_scale),
+                max_scale=state_dict.get("max_scale", policy.max_scale),
+                dynamic=state_dict.get("dynamic", policy.dynamic),
+            )
+            scale = policy.check_scale("scale", state_dict["scale"])
+            tracker = state_dict["_growth_tracker"]
+            budget = state_dict.get("_hysteresis_tracker", policy.hysteresis)
+            for name, value in (("_growth_tracker", tracker), ("_hysteresis_tracker", budget)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidConfigError(f"{name} must be an int >= 0, got {value!r}.")
+            stats = ScalerStats(**state_dict.get("stats", {}))
+        except (InvalidConfigError, TypeError) as error:
+            raise InvalidStateDictError(f"Invalid GradScaler state dict: {error}") from error
+        self._policy = policy
+        self._max_consecutive_skips = state_dict.get(
+            "max_consecutive_skips", self._max_consecutive_skips
+        )
+        self._init_scale = scale
+        self._init_growth_tracker = tracker
+        self._init_hysteresis_left = budget
+        self._init_stats = stats
+        if self._state is not None:
+            self._create_state(self._state.scale.device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer:
+                raise ScalerUsageError(
+                    "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                    "or at the end after scaler.update()."
+                )
+            saved = self.state_dict()
+            state["_init_scale"] = saved["scale"]
+            state["_init_growth_tracker"] = saved["_growth_tracker"]
+            state["_init_hysteresis_left"] = saved["_hysteresis_tracker"]
+            state["_init_stats"] = self.stats
+            state["_state"] = None
+            state["_counters"] = None
+            state["_last_found_inf"] = self.last_step_skipped
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        if not self._enabled:
+            return "GradScaler(enabled=False)"
+        return (
+            f"GradScaler(device={self._device!r}, scale={self.get_scale():g}, "
+            f"policy={self._policy})"
+        )
+
