@@ -155,7 +155,8 @@ class MasterWeightOptimizer(Optimizer):
         self._copied_grads: list[tuple[weakref.ref[Tensor] | None, int]] = []
 
         for group in optimizer.param_groups:
-            group["params"] = self._wrap_params(group["params"])
+            # In place: some optimizers keep a reference to the list (LBFGS's _params).
+            group["params"][:] = self._wrap_params(group["params"])
         self._move_state_to_masters()
 
         if not self._pairs:
