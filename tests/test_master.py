@@ -289,6 +289,16 @@ def test_grad_scale_and_found_inf_reach_the_inner_optimizer_for_one_step() -> No
         assert not hasattr(holder, "grad_scale") and not hasattr(holder, "found_inf")
 
 
+def test_fused_step_without_copying_first_is_an_error() -> None:
+    x, y = regression_data(32)
+    model = make_mlp(0)
+    opt = MasterWeightOptimizer(torch.optim.Adam(model.parameters(), fused=True))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(mse(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match="copy_grads_to_masters"):
+        scaler.step(opt)  # forgot opt.copy_grads_to_masters(): the scaler checked nothing
+
+
 def test_non_fused_inner_is_reported_as_such() -> None:
     opt = MasterWeightOptimizer(torch.optim.Adam(make_mlp(0).parameters(), foreach=False))
     assert not opt._step_supports_amp_scaling

@@ -317,11 +317,22 @@ class MasterWeightOptimizer(Optimizer):
         Raises:
             RuntimeError: the model's gradients changed after
                 :meth:`copy_grads_to_masters` ran (another ``backward()``, or an in-place
-                edit such as clipping ``model.parameters()``); or a parameter in
+                edit such as clipping ``model.parameters()``); or a scaler set
+                ``grad_scale``/``found_inf`` before the gradients were copied (so it checked
+                nothing); or a parameter in
                 ``param_groups`` is fp16/bf16 without a master (the model was converted
                 after the optimizer was wrapped).
         """
         self._check_no_unmastered_low_precision()
+        forwarded = [name for name in _AMP_STEP_ATTRS if name in self.__dict__]
+        if forwarded and not self._grads_copied:
+            raise RuntimeError(
+                "A scaler set grad_scale/found_inf for this step, but copy_grads_to_masters() "
+                "had not run, so the scaler checked masters that had no gradients yet and "
+                "its found_inf says nothing about them. With torch.amp.GradScaler (or any "
+                "scaler that does not call it), call opt.copy_grads_to_masters() after "
+                "backward() and before scaler.unscale_(opt) / scaler.step(opt)."
+            )
         self._sync_from_model()
         inner_closure: Callable[[], float] | None = None
         if closure is not None:
@@ -338,7 +349,6 @@ class MasterWeightOptimizer(Optimizer):
                 "opt.master_params() rather than the model's parameters."
             )
 
-        forwarded = [name for name in _AMP_STEP_ATTRS if name in self.__dict__]
         for name in forwarded:
             setattr(self._inner, name, self.__dict__[name])
         try:
