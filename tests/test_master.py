@@ -560,10 +560,12 @@ def test_wrapping_twice_is_an_error() -> None:
 
 def test_non_leaf_param_is_an_error() -> None:
     leaf = torch.ones(3, dtype=torch.float16, requires_grad=True)
-    inner = torch.optim.SGD([leaf], lr=0.1)
-    inner.param_groups[0]["params"].append(torch.ones(2, requires_grad=True).half())
+    other = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    inner = torch.optim.SGD([{"params": [leaf]}, {"params": [other]}], lr=0.1)
+    inner.param_groups[1]["params"].append(torch.ones(2, requires_grad=True).half())
     with pytest.raises(ValueError, match="non-leaf"):
         MasterWeightOptimizer(inner)
+    assert inner.param_groups[0]["params"][0] is leaf, "a failed wrap must not rewire"
 
 
 def test_no_low_precision_params_warns_and_passes_through() -> None:

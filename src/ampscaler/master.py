@@ -154,9 +154,12 @@ class MasterWeightOptimizer(Optimizer):
         self._grads_copied = False
         self._copied_grads: list[tuple[weakref.ref[Tensor] | None, int]] = []
 
-        for group in optimizer.param_groups:
+        # Make every master before rewiring any group, so that a bad parameter raises
+        # with the caller's optimizer still untouched.
+        wrapped = [self._wrap_params(group["params"]) for group in optimizer.param_groups]
+        for group, params in zip(optimizer.param_groups, wrapped, strict=True):
             # In place: some optimizers keep a reference to the list (LBFGS's _params).
-            group["params"][:] = self._wrap_params(group["params"])
+            group["params"][:] = params
         self._move_state_to_masters()
 
         if not self._pairs:
@@ -317,11 +320,10 @@ class MasterWeightOptimizer(Optimizer):
         Raises:
             RuntimeError: the model's gradients changed after
                 :meth:`copy_grads_to_masters` ran (another ``backward()``, or an in-place
-                edit such as clipping ``model.parameters()``); or a scaler set
-                ``grad_scale``/``found_inf`` before the gradients were copied (so it checked
-                nothing); or a parameter in
-                ``param_groups`` is fp16/bf16 without a master (the model was converted
-                after the optimizer was wrapped).
+                edit such as clipping ``model.parameters()``); a scaler set
+                ``grad_scale``/``found_inf`` before the gradients were copied (so it
+                checked nothing); or a parameter in ``param_groups`` is fp16/bf16 without
+                a master (the model was converted after the optimizer was wrapped).
         """
         self._check_no_unmastered_low_precision()
         forwarded = [name for name in _AMP_STEP_ATTRS if name in self.__dict__]
