@@ -7,6 +7,7 @@ tests call copy_grads_to_masters() themselves, as its users must.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -514,15 +515,23 @@ def test_bf16_params_get_masters_too() -> None:
     assert "bf16" in repr(opt)
 
 
-def test_repr_and_deepcopy() -> None:
+def test_repr_deepcopy_and_pickle() -> None:
     model = make_mlp(0)
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     text = repr(opt)
     assert text.startswith("MasterWeightOptimizer(") and "6 fp16" in text and "SGD" in text
-    twin = copy.deepcopy(opt)
-    assert twin.param_groups is not opt.param_groups
-    for m, n in zip(masters(opt), masters(twin), strict=True):
-        assert torch.equal(m, n) and m is not n
+    StepLR(opt, step_size=1)  # patches opt.step on the instance, as torch's schedulers do
+    opt.register_step_post_hook(lambda *_: None)  # a lambda: not picklable, dropped
+    for twin in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert twin.param_groups is not opt.param_groups
+        for m, n in zip(masters(opt), masters(twin), strict=True):
+            assert torch.equal(m, n) and m is not n
+        weight = twin._pairs[0][0]  # the copy's own model parameter
+        assert twin.master_of(weight) is twin.param_groups[0]["params"][0]
+        before = weight.detach().clone()
+        weight.float().sum().backward()
+        twin.step()  # the copy still steps and copies back
+        assert not torch.equal(before, weight)
 
 
 def test_wrapping_an_optimizer_that_already_stepped_moves_its_state() -> None:

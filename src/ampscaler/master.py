@@ -48,6 +48,16 @@ _MASTERS_KEY = "master_weights"
 # ampscaler.GradScaler): the fused kernel unscales by grad_scale and skips on found_inf.
 _AMP_STEP_ATTRS = ("grad_scale", "found_inf")
 
+# The hook registries torch.optim.Optimizer.__init__ creates.
+_HOOK_REGISTRIES = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -129,15 +139,7 @@ class MasterWeightOptimizer(Optimizer):
         _check_is_wrappable(optimizer)
         # Optimizer.__init__ is not called: it would build a second set of param_groups and
         # state, while this class shares the inner optimizer's (see the properties below).
-        # What it sets up besides those is the hook registries and the step patch that runs
-        # the step hooks, so set those up the same way.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        self._init_hook_registries()
 
         self._inner = optimizer
         # (model param, fp32 master) for every low-precision parameter, in the order the
@@ -500,15 +502,19 @@ class MasterWeightOptimizer(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # Optimizer.__getstate__ keeps only defaults/state/param_groups, which live on the
-        # inner optimizer here. Keep everything except the weak references (not picklable);
-        # a copy starts with "grads not copied yet".
-        state = self.__dict__.copy()
+        # inner optimizer here: keep the inner and the pairing, and drop, as torch does,
+        # what is tied to this process: hooks, an LR scheduler's patched `step`, a scaler's
+        # per-step attributes, and the weak references to the last copied grads. A copy
+        # starts with "grads not copied yet".
+        transient = {*_HOOK_REGISTRIES, *_AMP_STEP_ATTRS, "step", "_copied_grads"}
+        state = {key: value for key, value in self.__dict__.items() if key not in transient}
         state["_grads_copied"] = False
-        state["_copied_grads"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._copied_grads = []
+        self._init_hook_registries()
 
     def __repr__(self) -> str:
         counts: dict[str, int] = {}
@@ -526,6 +532,13 @@ class MasterWeightOptimizer(Optimizer):
             f"  stepped directly (already fp32): {n_direct} params\n"
             f"  inner:\n{inner}\n)"
         )
+
+    def _init_hook_registries(self) -> None:
+        # What Optimizer.__init__ sets up besides param_groups/state/defaults: the hook
+        # registries, and the class-level patch of step() that runs the step hooks.
+        for name in _HOOK_REGISTRIES:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
 
     def _wrap_params(self, params: Iterable[Any]) -> list[Any]:
         """Return ``params`` with each fp16/bf16 tensor replaced by a new fp32 master.
