@@ -16,6 +16,7 @@ from .errors import (
     PersistentOverflowError,
     ScalerUsageError,
 )
+from .master import MasterWeightOptimizer
 from .policy import ScalePolicy
 from .scaler import GradScaler, OptState
 
@@ -23,6 +24,7 @@ __all__ = [
     "GradScaler",
     "InvalidConfigError",
     "InvalidStateDictError",
+    "MasterWeightOptimizer",
     "OptState",
     "OverflowReport",
     "PersistentOverflowError",
