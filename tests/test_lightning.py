@@ -1,4 +1,4 @@
-"""ampscaler inside a real Lightning Trainer: parity with torch's scaler, checkpoints, schedulers.
+"""ampscaler inside real Lightning (Trainer and Fabric): parity with torch, checkpoints, schedulers.
 
 Each run trains a tiny model on CPU under fp16 autocast for a few steps. The data holds batches
 of large inputs whose gradients overflow fp16, so every run skips, backs off and grows.
@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl
+from lightning.fabric import Fabric
+from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins import MixedPrecision
 
 import ampscaler
@@ -257,3 +259,40 @@ def test_epoch_interval_schedulers_are_not_held(tmp_path: Path) -> None:
     )
     assert run.scaler.stats.skipped >= 2
     assert run.module.scheduler is not None and run.module.scheduler.last_epoch == 2
+
+
+def fabric_run(scaler: Any, checkpoint: Path) -> torch.nn.Module:
+    fabric = Fabric(
+        accelerator="cpu", devices=1, plugins=[FabricMixedPrecision("16-mixed", "cpu", scaler)]
+    )
+    model, optimizer = fabric.setup(*_model_and_sgd())
+    generator = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x = torch.randn(2, 4, generator=generator) * (1e3 if i in BIG else 1.0)
+        y = torch.randn(2, 1, generator=generator)
+        optimizer.zero_grad()
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        # Overflowing steps have a non-finite norm; the scaler skips them.
+        fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+        optimizer.step()
+    fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "scaler": scaler})
+    return model
+
+
+def _model_and_sgd() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    module = Tiny()
+    return module.net, torch.optim.SGD(module.net.parameters(), lr=1e-2)
+
+
+def test_fabric_trains_like_torch_scaler_and_saves_the_scaler(tmp_path: Path) -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**14, growth_interval=2)
+    ours = fabric_run(scaler, tmp_path / "ours.ckpt")
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=2)
+    theirs = fabric_run(torch_scaler, tmp_path / "torch.ckpt")
+    assert_same_parameters(ours, theirs)
+    assert scaler.get_scale() == torch_scaler.get_scale()
+    assert scaler.stats.skipped == len(BIG) and scaler.stats.growths > 0
+
+    restored = ampscaler.GradScaler("cpu")
+    Fabric(accelerator="cpu", devices=1).load(tmp_path / "ours.ckpt", {"scaler": restored})
+    assert restored.state_dict() == scaler.state_dict()
