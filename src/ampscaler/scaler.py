@@ -242,7 +242,8 @@ class GradScaler:
             return outputs
         if isinstance(outputs, torch.Tensor):
             return outputs * self._scale_on(outputs.device)
-        return self._scale_nested(outputs, {})
+        scaled: Iterable[torch.Tensor] = self._scale_nested(outputs, {})
+        return scaled
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         state = self._state if self._state is not None else self._create_state(device)
@@ -398,7 +399,7 @@ class GradScaler:
             record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
             if not record.found_inf_per_device:
                 record.found_inf_per_device = {found_inf.device: found_inf}
-            grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
+            grad_scale: torch.Tensor | None = state.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
         found_inf = self._combined_found_inf(record, state.scale.device)

@@ -1,0 +1,111 @@
+"""Accelerate: put an ampscaler GradScaler into an ``accelerate.Accelerator``.
+
+Accelerate builds ``torch.amp.GradScaler`` itself and offers no argument to pass another
+scaler; ``GradScalerKwargs`` only forwards torch's five arguments. It reads the scaler from one
+attribute, ``accelerator.scaler``, in ``backward`` (``scaler.scale(loss).backward()``), in
+``clip_grad_norm_``/``unscale_gradients`` (``scaler.unscale_``), in ``save_state``/``load_state``
+(``scaler.state_dict()`` to ``scaler.pt`` and back), and hands it to every optimizer that
+``prepare`` wraps, whose ``step`` calls ``scaler.step`` and ``scaler.update``. Replacing that
+attribute before ``prepare`` is therefore enough, and :func:`use_scaler` does that.
+
+On CPU Accelerate accepts ``mixed_precision="fp16"`` but ignores it: it creates no scaler and no
+autocast, and trains in float32. :func:`use_scaler` also turns on Accelerate's native-AMP switch
+(``accelerator.native_amp``), which makes ``prepare`` run the model's forward under
+``torch.autocast(device, torch.float16)`` and makes ``unscale_gradients`` unscale, as on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidConfigError, ScalerUsageError
+from ..scaler import GradScaler
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+__all__ = ["use_scaler"]
+
+# Backends for which Accelerate does not use a GradScaler of this kind, and why.
+_UNSUPPORTED = {
+    "DEEPSPEED": "DeepSpeed scales the loss inside its own engine",
+    "MEGATRON_LM": "Megatron-LM scales the loss inside its own optimizer",
+    "FSDP": (
+        "FSDP shards gradients, so each rank checks only its shard; Accelerate uses torch's "
+        "ShardedGradScaler, which agrees on overflow across ranks"
+    ),
+}
+
+
+def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> GradScaler:
+    """Make ``accelerator`` scale fp16 losses with an ampscaler :class:`~ampscaler.GradScaler`.
+
+    Call it right after constructing the ``Accelerator`` and before ``accelerator.prepare``:
+    prepared optimizers keep the scaler they were wrapped with. Without ``scaler`` one is built
+    for the accelerator's device from the ``GradScalerKwargs`` handler, if one was given.
+
+    Everything Accelerate does with its scaler then goes through ampscaler's, including
+    ``save_state``/``load_state`` (the full state, counters included) and
+    ``AcceleratedScheduler``'s rule of not stepping after a skipped optimizer step. That rule
+    reads ``optimizer.step_was_skipped``, which Accelerate computes by watching whether
+    ``optimizer.step`` ran; optimizers that skip inside their fused kernel (``fused=True``) always
+    run it, so for them use :attr:`~ampscaler.GradScaler.last_step_skipped` instead. This is
+    Accelerate's behaviour with torch's scaler too.
+
+    Example:
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> from ampscaler.integrations.accelerate import use_scaler
+        >>> accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+        >>> scaler = use_scaler(accelerator)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters()))
+        >>> accelerator.backward(model(torch.ones(2, 4)).float().sum())
+        >>> optimizer.step()
+        >>> scaler.stats.steps
+        1
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` built with ``mixed_precision="fp16"``.
+        scaler: the scaler to use; its device must be the accelerator's device type.
+
+    Returns:
+        The scaler now in ``accelerator.scaler``.
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) mixed precision other than fp16, a DeepSpeed,
+            Megatron-LM or FSDP backend, or a scaler for another device type.
+        ScalerUsageError: (a ``RuntimeError``) a model or optimizer was already prepared.
+    """
+    if accelerator.mixed_precision != "fp16":
+        raise InvalidConfigError(
+            f"use_scaler() needs Accelerator(mixed_precision='fp16'), got "
+            f"mixed_precision={accelerator.mixed_precision!r}; bfloat16 and float32 training "
+            "need no loss scaling."
+        )
+    backend = accelerator.distributed_type.name
+    if backend in _UNSUPPORTED:
+        raise InvalidConfigError(
+            f"use_scaler() does not support Accelerate's {backend} backend: "
+            f"{_UNSUPPORTED[backend]}. Keep that backend's own loss scaling (the migration "
+            "guide maps DeepSpeed's and Megatron's options to ampscaler's)."
+        )
+    if accelerator._models or accelerator._optimizers:
+        raise ScalerUsageError(
+            "use_scaler() was called after accelerator.prepare(): prepared optimizers keep the "
+            "scaler they were wrapped with and prepared models their autocast. Call "
+            "use_scaler(accelerator) right after Accelerator(...)."
+        )
+    device = accelerator.device.type
+    if scaler is None:
+        handler = accelerator.scaler_handler
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        scaler = GradScaler(device, **kwargs)
+    elif scaler._device not in (None, device):
+        raise InvalidConfigError(
+            f"The scaler was built for {scaler._device!r} but the accelerator runs on "
+            f"{device!r}; construct it as GradScaler({device!r}, ...)."
+        )
+    accelerator.scaler = scaler
+    accelerator.native_amp = True
+    return scaler
