@@ -1,8 +1,8 @@
 """Where an overflow happened: naming the parameters whose gradients held inf or NaN.
 
 Localization runs only on steps already known to be skipped, so clean steps pay nothing. It
-checks all gradients with one batched reduction per device and dtype (one host sync each), and
-works out the kind (inf, NaN or both) only for the offending tensors.
+screens all gradients with one batched L1 norm per device and dtype (one host sync each; a norm
+is non-finite when an element is), and looks closer only at the tensors that fail the screen.
 
 Example:
     >>> import torch
@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -171,38 +172,36 @@ def _rank() -> int | None:
     return None
 
 
-def _nonfinite_mask(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """Whether each tensor holds an inf or NaN: one reduction and one sync per device/dtype."""
+def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """``"inf"``, ``"nan"``, ``"inf+nan"``, or ``""`` when finite, for each of ``tensors``.
+
+    One batched L1 norm per device and dtype screens them all (it is NaN exactly when the
+    tensor holds a NaN, and inf when it holds an inf, or, for a finite tensor, when the sum
+    overflows float32); only the tensors that fail the screen are then checked for inf. Host
+    syncs: one per device and dtype, plus one per device with failing tensors.
+
+    Example:
+        >>> nonfinite_kinds([torch.ones(2), torch.tensor([1.0, float("-inf"), float("nan")])])
+        ['', 'inf+nan']
+    """
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for index, tensor in enumerate(tensors):
-        if tensor.numel():
-            by_kind[(tensor.device, tensor.dtype)].append(index)
-    mask = [False] * len(tensors)
-    for indices in by_kind.values():
-        # The inf-norm (max |x|) is inf for an inf and NaN for a NaN anywhere in the tensor.
-        maxima = torch._foreach_norm([tensors[i] for i in indices], float("inf"))
-        flags = (~torch.isfinite(torch.stack(maxima))).tolist()
-        for index, bad in zip(indices, flags, strict=True):
-            mask[index] = bad
-    return mask
-
-
-def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> list[str]:
-    """``"inf"``, ``"nan"`` or ``"inf+nan"`` for each of ``tensors`` (all known non-finite).
-
-    One host sync per device.
-    """
+        by_kind[(tensor.device, tensor.dtype)].append(index)
+    has_nan: dict[int, bool] = {}
+    for (_, dtype), indices in by_kind.items():
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        norms = torch._foreach_norm([tensors[i] for i in indices], 1, dtype=wide)
+        for index, norm in zip(indices, torch.stack(norms).tolist(), strict=True):
+            if not math.isfinite(norm):
+                has_nan[index] = math.isnan(norm)
     by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for index, tensor in enumerate(tensors):
-        by_device[tensor.device].append(index)
+    for index in has_nan:
+        by_device[tensors[index].device].append(index)
     kinds = [""] * len(tensors)
     for indices in by_device.values():
-        flags = torch.stack(
-            [torch.stack([torch.isinf(tensors[i]).any(), torch.isnan(tensors[i]).any()])
-             for i in indices]
-        ).tolist()
-        for index, (has_inf, has_nan) in zip(indices, flags, strict=True):
-            kinds[index] = "+".join(k for k, has in (("inf", has_inf), ("nan", has_nan)) if has)
+        has_inf = torch.stack([torch.isinf(tensors[i]).any() for i in indices]).tolist()
+        for index, inf in zip(indices, has_inf, strict=True):
+            kinds[index] = "+".join(k for k, has in (("inf", inf), ("nan", has_nan[index])) if has)
     return kinds
 
 
@@ -215,7 +214,7 @@ def locate_overflow(
 ) -> OverflowReport:
     """Examine every gradient of ``optimizers`` and report the non-finite ones.
 
-    Host syncs: one per device and dtype of the gradients, and one per device for the kinds.
+    Host syncs: see :func:`nonfinite_kinds`.
     """
     labels: list[str] = []
     values: list[torch.Tensor] = []
@@ -223,11 +222,11 @@ def locate_overflow(
         for group_index, param_index, param, grad in iter_grad_values(optimizers):
             labels.append(names.name(param, group_index, param_index))
             values.append(grad)
-        bad = [i for i, is_bad in enumerate(_nonfinite_mask(values)) if is_bad]
-        kinds = nonfinite_kinds([values[i] for i in bad])
+        kinds = nonfinite_kinds(values)
     found: dict[str, str] = {}
-    for index, kind in zip(bad, kinds, strict=True):
-        found.setdefault(labels[index], kind)
+    for label, kind in zip(labels, kinds, strict=True):
+        if kind:
+            found.setdefault(label, kind)
     return OverflowReport(
         step=step, names=list(found), kinds=found, scale=scale, rank=_rank(), origin=origin
     )

@@ -42,15 +42,12 @@ TraceEvent = tuple[str, str, torch.Tensor]  # (module name, "input"/"output"/"pa
 def _finite_flag(grad: torch.Tensor) -> torch.Tensor:
     """A 0-dim bool tensor: whether ``grad`` is all finite. No host sync.
 
-    A wide sum is non-finite exactly when an element is (finite values cannot overflow it),
-    and is far cheaper than ``isfinite(grad).all()``.
+    A sum is non-finite when an element is, and far cheaper than ``isfinite(grad).all()``;
+    half-precision gradients are summed in float32, so finite ones cannot overflow it.
     """
     values = grad._values() if grad.is_sparse else grad
-    if values.dtype is torch.float16:
-        return torch.isfinite(values.sum(dtype=torch.float32))
-    if values.dtype in (torch.float32, torch.bfloat16):
-        return torch.isfinite(values.sum(dtype=torch.float64))
-    return torch.isfinite(values).all()
+    wide = torch.float32 if values.dtype in (torch.float16, torch.bfloat16) else None
+    return torch.isfinite(values.sum(dtype=wide))
 
 
 class NonFiniteTracer:
