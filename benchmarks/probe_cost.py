@@ -3,12 +3,13 @@
 One fp16-autocast MLP, one optimizer, the same data, trained side by side under several scaler
 configurations in interleaved rounds (each round runs every configuration for ``--steps``
 iterations, so load on the machine hits them alike). Each configuration keeps its scaler and
-model across rounds, so ``probe every 100`` probes once per 100-step round and its time is the
-amortized cost. Prints, per configuration, the median over rounds of the mean step time and
-its ratio to ``off`` (ampscaler with nothing attached).
+model across rounds, so with 100 steps per round ``probe every 100`` probes once per round and
+its time is the amortized cost. Prints, per configuration, the median over rounds of the mean
+step time and its ratio to ``off`` (ampscaler with nothing attached), then the time of the
+probe's gradient pass alone.
 
-    python benchmarks/probe_cost.py [--steps 100] [--rounds 5] [--width 512] [--depth 8]
-                                    [--batch 64] [--threads N]
+    python benchmarks/probe_cost.py [--steps 100] [--rounds 5] [--width 512] [--depth 4]
+                                    [--batch 16] [--threads N]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from ampscaler import GradScaler
+from ampscaler.probe import GradientProbe
 
 
 def make_model(width: int, depth: int) -> torch.nn.Sequential:
@@ -78,13 +80,33 @@ def arms() -> list[Arm]:
     ]
 
 
+def isolated_probe_ms(arm: Arm, batch: tuple[torch.Tensor, torch.Tensor], repeats: int) -> float:
+    """Median time of the probe's gradient pass alone ((a) and (b)), on ``arm``'s gradients."""
+    model, optimizer = arm.model, arm.optimizer
+    assert model is not None and optimizer is not None
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(batch[0]).float(), batch[1])
+    (loss * 1024.0).backward()
+    probe, scale = GradientProbe(), torch.tensor(1024.0)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        probe.measure(optimizer, scale)
+        pending = probe.take()
+        assert pending is not None
+        pending.finish(torch.stack([t.double() for t in pending.tensors]).tolist())
+        times.append(time.perf_counter() - start)
+    optimizer.zero_grad(set_to_none=True)
+    return statistics.median(times) * 1e3
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="steps per arm per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -118,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     for arm in configurations:
         median = statistics.median(times[arm.name])
         print(f"{arm.name:<24} {median * 1e3:>9.3f} {median / off:>7.3f}x")
+    alone = isolated_probe_ms(configurations[0], batches[0], repeats=20)
+    print(
+        f"the probe's gradient pass alone ((a) and (b), {params / 1e6:.2f}M elements): "
+        f"{alone:.3f} ms, {alone / (off * 1e3):.1%} of an 'off' step"
+    )
 
 
 if __name__ == "__main__":

@@ -101,9 +101,9 @@ def test_sparse_and_empty_gradients_are_localized() -> None:
     assert (report.step, report.scale, report.rank) == (4, 2.0, None)
 
 
-def test_clean_steps_run_no_localization(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Counted: with history, sinks, callbacks, probe and tracer on, on plain and fused
-    optimizers, reading last_overflow every iteration; only skipped steps localize."""
+@pytest.fixture
+def localizations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every localization pass ("locate") and tracer judgement ("origin"), in order."""
     calls: list[str] = []
     locate, origin = diagnostics.locate_overflow, NonFiniteTracer.origin
 
@@ -117,6 +117,13 @@ def test_clean_steps_run_no_localization(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(diagnostics, "locate_overflow", counting_locate)
     monkeypatch.setattr(NonFiniteTracer, "origin", staticmethod(counting_origin))
+    return calls
+
+
+def test_clean_steps_run_no_localization(localizations: list[str]) -> None:
+    """Counted: with history, sinks, callbacks, probe and tracer on, on plain and fused
+    optimizers, reading last_overflow every iteration; only skipped steps localize."""
+    calls = localizations
     torch.manual_seed(0)
     model = Net()
     plain = torch.optim.SGD(model.body.parameters(), lr=1e-3)
@@ -155,13 +162,8 @@ def test_clean_steps_run_no_localization(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_fused_overflow_is_localized_lazily_when_nothing_consumes_records(
-    monkeypatch: pytest.MonkeyPatch,
+    localizations: list[str],
 ) -> None:
-    calls = []
-    locate = diagnostics.locate_overflow
-    monkeypatch.setattr(
-        diagnostics, "locate_overflow", lambda *a, **k: calls.append(1) or locate(*a, **k)
-    )
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
     scaler = GradScaler("cpu")
@@ -171,10 +173,10 @@ def test_fused_overflow_is_localized_lazily_when_nothing_consumes_records(
     model.weight.grad[0, 1] = INF
     scaler.step(optimizer)
     scaler.update()
-    assert calls == []  # nothing asked yet
+    assert localizations == []  # nothing asked yet
     report = scaler.last_overflow
     assert report is not None and report.names == ["weight"] and report.step == 0
-    assert calls == [1]
+    assert localizations == ["locate"]
     optimizer.zero_grad()
     assert scaler.last_overflow is report
 
@@ -259,7 +261,7 @@ def test_probe_hooks_exist_only_during_probed_iterations() -> None:
     model = Net()
     scaler = GradScaler("cpu", history_size=10, probe_every=3)
     scaler.watch(model)
-    hooked = {}
+    hooked: dict[int, list[str]] = {}
     run_loop(
         scaler,
         model,

@@ -80,6 +80,8 @@ def plot_scale(records: Sequence[StepRecord], path: Path) -> Path:
 
 def plot_skips(records: Sequence[StepRecord], path: Path, window: int) -> Path:
     """Skipped steps per window of ``window`` steps, as bars."""
+    from matplotlib.ticker import MaxNLocator
+
     first = min(r.step for r in records)
     counts: dict[int, int] = {}
     for record in records:
@@ -93,6 +95,7 @@ def plot_skips(records: Sequence[StepRecord], path: Path, window: int) -> Path:
     axes.set_ylabel(f"skipped per {window} step{'s' if window > 1 else ''}")
     axes.set_title(f"Skipped steps: {total} of {len(records)}")
     axes.set_ylim(bottom=0, top=max(1, *counts.values()) * 1.1)
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(True, axis="y", alpha=0.3)
     return _save(figure, path)
 
