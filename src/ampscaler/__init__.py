@@ -13,24 +13,39 @@ from .diagnostics import OverflowReport
 from .errors import (
     InvalidConfigError,
     InvalidStateDictError,
+    LogFormatError,
     PersistentOverflowError,
     ScalerUsageError,
+    SinkError,
 )
 from .master import MasterWeightOptimizer
 from .policy import ScalePolicy
+from .probe import ProbeResult
+from .records import StepRecord, read_log
 from .scaler import GradScaler, OptState
+from .sinks import JsonlSink, LoggingSink, TensorBoardSink
+from .telemetry import Sink
 
 __all__ = [
     "GradScaler",
     "InvalidConfigError",
     "InvalidStateDictError",
+    "JsonlSink",
+    "LogFormatError",
+    "LoggingSink",
     "MasterWeightOptimizer",
     "OptState",
     "OverflowReport",
     "PersistentOverflowError",
+    "ProbeResult",
     "ScalePolicy",
     "ScalerStats",
     "ScalerUsageError",
+    "Sink",
+    "SinkError",
+    "StepRecord",
+    "TensorBoardSink",
+    "read_log",
 ]
 
 __version__ = "0.1.0"

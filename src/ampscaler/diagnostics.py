@@ -1,6 +1,8 @@
 """Where an overflow happened: naming the parameters whose gradients held inf or NaN.
 
-Localization runs only on steps already known to be skipped, so clean steps pay nothing.
+Localization runs only on steps already known to be skipped, so clean steps pay nothing. It
+screens all gradients with one batched L1 norm per device and dtype (one host sync each; a norm
+is non-finite when an element is), and looks closer only at the tensors that fail the screen.
 
 Example:
     >>> import torch
@@ -17,15 +19,25 @@ Example:
 
 from __future__ import annotations
 
+import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .grads import iter_params, nonfinite_kind
+from .grads import iter_params
 
-__all__ = ["OverflowReport", "ParamNames", "locate_overflow"]
+__all__ = [
+    "OverflowReport",
+    "ParamNames",
+    "iter_grad_values",
+    "locate_overflow",
+    "merge_reports",
+    "nonfinite_kinds",
+]
 
 
 class ParamNames:
@@ -84,6 +96,10 @@ class OverflowReport:
         kinds: name -> ``"inf"``, ``"nan"`` or ``"inf+nan"``.
         scale: the loss scale the gradients were computed with.
         rank: the process's rank in the default process group, or ``None`` when not distributed.
+        origin: with ``GradScaler(trace_nonfinite=True)``, the first watched module whose
+            backward produced a non-finite gradient; ``"<loss>"`` when the gradient arriving
+            from the loss (or from code outside the watched modules) was already non-finite;
+            ``None`` when not traced.
     """
 
     step: int
@@ -92,20 +108,61 @@ class OverflowReport:
     scale: float
     rank: int | None = None
     ranks: Sequence[int] = field(default_factory=tuple)
+    origin: str | None = None
 
     def __str__(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
+        traced = f"; first non-finite in the backward of {self.origin}" if self.origin else ""
         if not self.names:
             return (
                 f"step {self.step}{where}: overflow at scale {self.scale:g}, but no gradient "
-                "held inf/NaN any more when it was examined"
+                f"held inf/NaN any more when it was examined{traced}"
             )
         shown = ", ".join(f"{n} ({self.kinds[n]})" for n in self.names[:10])
         more = f" and {len(self.names) - 10} more" if len(self.names) > 10 else ""
         return (
             f"step {self.step}{where}: non-finite gradients at scale {self.scale:g} in "
-            f"{len(self.names)} parameter(s): {shown}{more}"
+            f"{len(self.names)} parameter(s): {shown}{more}{traced}"
         )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-ready data (the ``overflow`` field of a step record)."""
+        return {
+            "step": self.step,
+            "names": list(self.names),
+            "kinds": dict(self.kinds),
+            "scale": self.scale,
+            "rank": self.rank,
+            "ranks": list(self.ranks),
+            "origin": self.origin,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OverflowReport:
+        """The inverse of :meth:`as_dict`."""
+        return cls(
+            step=int(data["step"]),
+            names=[str(n) for n in data["names"]],
+            kinds={str(k): str(v) for k, v in data["kinds"].items()},
+            scale=float(data["scale"]),
+            rank=None if data.get("rank") is None else int(data["rank"]),
+            ranks=tuple(int(r) for r in data.get("ranks", ())),
+            origin=None if data.get("origin") is None else str(data["origin"]),
+        )
+
+
+def iter_grad_values(
+    optimizers: Iterable[torch.optim.Optimizer],
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """``(group_index, param_index, param, values)`` for every parameter with a gradient.
+
+    ``values`` is the gradient itself, or the values of a sparse gradient.
+    """
+    for optimizer in optimizers:
+        for group_index, param_index, param in iter_params(optimizer):
+            grad = param.grad
+            if grad is not None:
+                yield group_index, param_index, param, grad._values() if grad.is_sparse else grad
 
 
 def _rank() -> int | None:
@@ -115,19 +172,89 @@ def _rank() -> int | None:
     return None
 
 
+def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """``"inf"``, ``"nan"``, ``"inf+nan"``, or ``""`` when finite, for each of ``tensors``.
+
+    One batched L1 norm per device and dtype screens them all (it is NaN exactly when the
+    tensor holds a NaN, and inf when it holds an inf, or, for a finite tensor, when the sum
+    overflows float32); only the tensors that fail the screen are then checked for inf. Host
+    syncs: one per device and dtype, plus one per device with failing tensors.
+
+    Example:
+        >>> nonfinite_kinds([torch.ones(2), torch.tensor([1.0, float("-inf"), float("nan")])])
+        ['', 'inf+nan']
+    """
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for index, tensor in enumerate(tensors):
+        by_kind[(tensor.device, tensor.dtype)].append(index)
+    has_nan: dict[int, bool] = {}
+    for (_, dtype), indices in by_kind.items():
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        norms = torch._foreach_norm([tensors[i] for i in indices], 1, dtype=wide)
+        for index, norm in zip(indices, torch.stack(norms).tolist(), strict=True):
+            if not math.isfinite(norm):
+                has_nan[index] = math.isnan(norm)
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for index in has_nan:
+        by_device[tensors[index].device].append(index)
+    kinds = [""] * len(tensors)
+    for indices in by_device.values():
+        has_inf = torch.stack([torch.isinf(tensors[i]).any() for i in indices]).tolist()
+        for index, inf in zip(indices, has_inf, strict=True):
+            kinds[index] = "+".join(k for k, has in (("inf", inf), ("nan", has_nan[index])) if has)
+    return kinds
+
+
 def locate_overflow(
-    optimizers: Iterable[torch.optim.Optimizer], names: ParamNames, step: int, scale: float = 1.0
+    optimizers: Iterable[torch.optim.Optimizer],
+    names: ParamNames,
+    step: int,
+    scale: float = 1.0,
+    origin: str | None = None,
 ) -> OverflowReport:
-    """Examine every gradient of ``optimizers`` and report the non-finite ones (host syncs)."""
-    found: list[str] = []
+    """Examine every gradient of ``optimizers`` and report the non-finite ones.
+
+    Host syncs: see :func:`nonfinite_kinds`.
+    """
+    labels: list[str] = []
+    values: list[torch.Tensor] = []
+    with torch.no_grad():
+        for group_index, param_index, param, grad in iter_grad_values(optimizers):
+            labels.append(names.name(param, group_index, param_index))
+            values.append(grad)
+        kinds = nonfinite_kinds(values)
+    found: dict[str, str] = {}
+    for label, kind in zip(labels, kinds, strict=True):
+        if kind:
+            found.setdefault(label, kind)
+    return OverflowReport(
+        step=step, names=list(found), kinds=found, scale=scale, rank=_rank(), origin=origin
+    )
+
+
+def merge_reports(reports: Sequence[OverflowReport]) -> OverflowReport:
+    """One report for an iteration from the reports of its optimizers (in stepping order).
+
+    Example:
+        >>> a = OverflowReport(step=3, names=["w"], kinds={"w": "inf"}, scale=8.0)
+        >>> b = OverflowReport(step=3, names=["b"], kinds={"b": "nan"}, scale=8.0)
+        >>> merge_reports([a, b]).kinds
+        {'w': 'inf', 'b': 'nan'}
+    """
+    if len(reports) == 1:
+        return reports[0]
     kinds: dict[str, str] = {}
-    for optimizer in optimizers:
-        for group_index, param_index, param in iter_params(optimizer):
-            if param.grad is None:
-                continue
-            kind = nonfinite_kind(param.grad)
-            if kind is not None:
-                name = names.name(param, group_index, param_index)
-                found.append(name)
-                kinds[name] = kind
-    return OverflowReport(step=step, names=found, kinds=kinds, scale=scale, rank=_rank())
+    for report in reports:
+        for name in report.names:
+            kinds.setdefault(name, report.kinds[name])
+    first = reports[0]
+    origin = next((r.origin for r in reports if r.origin is not None), None)
+    return OverflowReport(
+        step=first.step,
+        names=list(kinds),
+        kinds=kinds,
+        scale=first.scale,
+        rank=first.rank,
+        ranks=first.ranks,
+        origin=origin,
+    )

@@ -10,8 +10,10 @@ from __future__ import annotations
 __all__ = [
     "InvalidConfigError",
     "InvalidStateDictError",
+    "LogFormatError",
     "PersistentOverflowError",
     "ScalerUsageError",
+    "SinkError",
 ]
 
 
@@ -47,3 +49,14 @@ class PersistentOverflowError(RuntimeError):
     the gradients held inf or NaN, which parameters were affected when known, and what usually
     helps.
     """
+
+
+class SinkError(OSError):
+    """A telemetry sink could not open or write its destination (a JSONL path, a log dir).
+
+    An :class:`OSError`, as the failed ``open()`` underneath; the message names the path.
+    """
+
+
+class LogFormatError(ValueError):
+    """A step log that ampscaler cannot read: empty, or not written by ampscaler."""

@@ -19,7 +19,6 @@ __all__ = [
     "check_and_unscale_",
     "group_grads",
     "iter_params",
-    "nonfinite_kind",
 ]
 
 FP16_GRADS_MESSAGE = (
@@ -94,16 +93,3 @@ def check_and_unscale_(
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
     return flags
 
-
-def nonfinite_kind(grad: torch.Tensor) -> str | None:
-    """``"inf"``, ``"nan"``, ``"inf+nan"`` or ``None`` for a gradient (a host sync)."""
-    values = grad._values() if grad.is_sparse else grad
-    has_nan = bool(torch.isnan(values).any())
-    has_inf = bool(torch.isinf(values).any())
-    if has_inf and has_nan:
-        return "inf+nan"
-    if has_inf:
-        return "inf"
-    if has_nan:
-        return "nan"
-    return None

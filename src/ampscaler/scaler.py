@@ -14,15 +14,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import torch
 
 from . import counters as counters_
 from .counters import ScalerStats
-from .diagnostics import OverflowReport, ParamNames, locate_overflow
+from .diagnostics import OverflowReport
 from .errors import (
     InvalidConfigError,
     InvalidStateDictError,
@@ -31,8 +31,12 @@ from .errors import (
 )
 from .grads import check_and_unscale_, group_grads
 from .policy import ScalePolicy, ScaleState, adjust, initial_state
+from .records import StepRecord
+from .telemetry import Callback, Monitor, Sink
 
 __all__ = ["GradScaler", "OptState"]
+
+SinkT = TypeVar("SinkT", bound=Sink)
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -116,6 +120,13 @@ class GradScaler:
         max_consecutive_skips: raise :class:`~ampscaler.PersistentOverflowError` from
             :meth:`update` once this many iterations in a row were skipped, instead of skipping
             forever. Setting it makes :meth:`update` read one counter from the device (a sync).
+        history_size: keep the last ``history_size`` step records in :attr:`history`
+            (0: none). Like a sink, it makes :meth:`update` sync once per iteration.
+        probe_every: measure gradient underflow and headroom on every ``probe_every``-th
+            iteration (see :mod:`ampscaler.probe`); ``None``: never, and nothing is hooked.
+        trace_nonfinite: hook the leaf modules of watched models to name, in overflow
+            reports, the first module whose backward produced inf/NaN (costs work on every
+            backward; see docs/diagnostics.md).
 
     Raises:
         InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument.
@@ -135,6 +146,9 @@ class GradScaler:
         max_scale: float | None = None,
         dynamic: bool = True,
         max_consecutive_skips: int | None = None,
+        history_size: int = 0,
+        probe_every: int | None = None,
+        trace_nonfinite: bool = False,
     ) -> None:
         self._policy = ScalePolicy(
             growth_factor=growth_factor,
@@ -175,8 +189,12 @@ class GradScaler:
         self._init_stats = ScalerStats()
         self._per_optimizer: dict[int, _OptimizerRecord] = {}
         self._last_found_inf: torch.Tensor | bool | None = None
-        self._last_overflow: OverflowReport | None = None
-        self._names = ParamNames()
+        self._monitor = Monitor(
+            enabled=self._enabled,
+            history_size=history_size,
+            probe_every=probe_every,
+            trace_nonfinite=trace_nonfinite,
+        )
 
     # ------------------------------------------------------------------ state plumbing
 
@@ -276,12 +294,13 @@ class GradScaler:
                 f"param_groups and step()), got {type(optimizer).__name__}."
             )
 
-    def _prepare_grads(self, optimizer: torch.optim.Optimizer) -> None:
+    def _prepare_grads(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
         # Optimizers that keep float32 master weights (ampscaler.MasterWeightOptimizer) copy
         # the model's low-precision gradients onto the masters before they are checked.
         copy_grads = getattr(optimizer, "copy_grads_to_masters", None)
         if copy_grads is not None:
             copy_grads()
+        self._monitor.before_check(optimizer, scale)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place, and check them for inf/NaN.
@@ -320,7 +339,7 @@ class GradScaler:
                 "unscale_() is being called after step(). Call scaler.unscale_(optimizer) "
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
-        self._prepare_grads(optimizer)
+        self._prepare_grads(optimizer, state.scale)
         inv_scale = state.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
         groups = group_grads(optimizer, allow_fp16=False)
@@ -377,8 +396,8 @@ class GradScaler:
         skipped = bool(found_inf.item())
         self._last_found_inf = skipped
         record.stage = OptState.STEPPED
+        self._monitor.note_step(optimizer, skipped, state.scale, self._counters)
         if skipped:
-            self._note_overflow([optimizer], state)
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -392,7 +411,7 @@ class GradScaler:
     ) -> Any:
         if record.stage is OptState.READY:
             # Check only: the optimizer's kernel unscales with grad_scale as it steps.
-            self._prepare_grads(optimizer)
+            self._prepare_grads(optimizer, state.scale)
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
             groups = group_grads(optimizer, allow_fp16=True)
@@ -412,16 +431,8 @@ class GradScaler:
             del optimizer.found_inf  # type: ignore[attr-defined]
         record.stage = OptState.STEPPED
         self._last_found_inf = found_inf
+        self._monitor.note_step(optimizer, found_inf, state.scale, self._counters)
         return retval
-
-    def _note_overflow(
-        self, optimizers: Iterable[torch.optim.Optimizer], state: ScaleState
-    ) -> None:
-        counters = self._counters
-        step = 0 if counters is None else int(counters[0].item())
-        self._last_overflow = locate_overflow(
-            optimizers, self._names, step=step, scale=float(state.scale.item())
-        )
 
     # ------------------------------------------------------------------ update
 
@@ -433,8 +444,10 @@ class GradScaler:
         ``new_scale`` (a float, or a one-element tensor of shape ``[]`` or ``[1]``) the scale is
         set to it; the value is copied, so later changes to the tensor do not affect the scaler.
 
-        No host sync, except: validating a tensor ``new_scale`` reads it, and
-        ``max_consecutive_skips`` reads the skip counter.
+        No host sync, except: validating a tensor ``new_scale`` reads it,
+        ``max_consecutive_skips`` reads the skip counter, and while step records are consumed
+        (``history_size``, :meth:`add_sink`, :meth:`on`) the iteration's outcome is read in
+        one sync (plus localization on a skipped step).
 
         Raises:
             AssertionError / RuntimeError: no ``step()`` (or ``unscale_``) was recorded in this
@@ -468,10 +481,11 @@ class GradScaler:
         if found_inf is not None and self._counters is not None:
             counters_.record(self._counters, found_inf, state.scale, new_state.scale)
         self._state = new_state
-        stepped = [record.optimizer for record in self._per_optimizer.values()]
         self._per_optimizer = {}
+        if found_inf is not None and self._counters is not None:
+            self._monitor.after_update(found_inf, state.scale, new_state.scale, self._counters)
         if self._max_consecutive_skips is not None and found_inf is not None:
-            self._check_persistent_overflow(stepped, state)
+            self._check_persistent_overflow()
 
     def _new_scale_tensor(self, new_scale: float | torch.Tensor, state: ScaleState) -> torch.Tensor:
         if isinstance(new_scale, torch.Tensor):
@@ -488,19 +502,13 @@ class GradScaler:
         value = self._policy.check_scale("new_scale", new_scale)
         return torch.full((), value, dtype=torch.float32, device=state.scale.device)
 
-    def _check_persistent_overflow(
-        self, optimizers: list[torch.optim.Optimizer], old_state: ScaleState
-    ) -> None:
+    def _check_persistent_overflow(self) -> None:
         assert self._counters is not None and self._max_consecutive_skips is not None
         in_a_row = int(self._counters[counters_.FIELDS.index("consecutive_skips")].item())
         if in_a_row < self._max_consecutive_skips:
             return
-        report = self._last_overflow
-        if report is None or not report.names:
-            report = locate_overflow(
-                optimizers, self._names, step=self.stats.steps - 1, scale=float(old_state.scale)
-            )
-        kinds = sorted(set(report.kinds.values()))
+        report = self.last_overflow
+        kinds = sorted(set(report.kinds.values())) if report is not None else []
         held = " and ".join(kinds) if kinds else "inf/NaN"
         nan_hint = (
             " NaN that persists at a small scale is a bug in the model or the data (a log of "
@@ -508,7 +516,7 @@ class GradScaler:
             if any("nan" in k for k in kinds)
             else ""
         )
-        where = f" Affected: {report}." if report.names else ""
+        where = f" Affected: {report}." if report is not None and report.names else ""
         raise PersistentOverflowError(
             f"{in_a_row} optimizer steps in a row were skipped because the gradients held "
             f"{held} (max_consecutive_skips={self._max_consecutive_skips}); the scale is now "
@@ -573,13 +581,95 @@ class GradScaler:
 
     @property
     def last_overflow(self) -> OverflowReport | None:
-        """Which parameters held inf/NaN on the latest skipped step, or ``None`` after a clean one.
+        """Which parameters held inf/NaN in the latest iteration, or ``None`` if it was clean.
 
-        Filled when a step is skipped (on the fused-optimizer path, lazily when read).
+        The iteration is the one in progress once it has called :meth:`step`, otherwise the
+        last one that reached :meth:`update`; the report covers all of its optimizers.
+        Parameters are named as :meth:`watch` learned them.
+
+        Plain optimizers are localized inside :meth:`step` when it skips (it already knows).
+        Fused optimizers (``Adam(fused=True)``) decide inside their kernel, so nothing is
+        known without a host sync: their overflow is localized when this property is first
+        read (or at :meth:`update` when step records are consumed). Read it before
+        ``optimizer.zero_grad()``; afterwards the gradients are gone and the report can only
+        say that the step overflowed. Clean iterations never run a localization pass.
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = GradScaler("cpu")
+            >>> scaler.watch(model)
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> model.bias.grad.fill_(float("nan"))
+            tensor([nan])
+            >>> scaler.step(opt)
+            >>> scaler.update()
+            >>> print(scaler.last_overflow)
+            step 0: non-finite gradients at scale 65536 in 1 parameter(s): bias (nan)
         """
-        if not self.last_step_skipped:
-            return None
-        return self._last_overflow
+        return self._monitor.last_overflow(self._counters)
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """The last ``history_size`` step records, oldest first (empty when it is 0).
+
+        Example:
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = GradScaler("cpu", init_scale=256.0, history_size=100)
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> scaler.step(opt)
+            >>> scaler.update()
+            >>> record = scaler.history[-1]
+            >>> record.step, record.scale, record.skipped
+            (0, 256.0, False)
+        """
+        return self._monitor.history
+
+    def on(self, event: str, fn: Callback) -> Callable[[], None]:
+        """Call ``fn(record)`` at the end of :meth:`update` when ``event`` happened.
+
+        Events: ``"step"`` (every iteration), ``"overflow"`` (skipped), ``"backoff"`` (the
+        scale went down), ``"growth"`` (it went up). ``fn`` gets the
+        :class:`~ampscaler.StepRecord`. Registering a callback makes :meth:`update` sync once
+        per iteration. Returns a function that unregisters ``fn``.
+
+        Example:
+            >>> scaler = GradScaler("cpu")
+            >>> stop = scaler.on("overflow", lambda record: print(record.overflow))
+            >>> stop()
+
+        Raises:
+            ValueError: an unknown event (:class:`~ampscaler.InvalidConfigError`).
+            TypeError: ``fn`` is not callable.
+        """
+        return self._monitor.on(event, fn)
+
+    def add_sink(self, sink: SinkT) -> SinkT:
+        """Send every step record to ``sink`` (an object with ``write(record)``); returns it.
+
+        Attaching a sink makes :meth:`update` sync once per iteration. See
+        :mod:`ampscaler.sinks`.
+
+        Example:
+            >>> from ampscaler import LoggingSink
+            >>> scaler = GradScaler("cpu")
+            >>> sink = scaler.add_sink(LoggingSink("train"))
+            >>> scaler.remove_sink(sink)
+
+        Raises:
+            TypeError: ``sink`` has no ``write`` method.
+        """
+        self._monitor.add_sink(sink)
+        return sink
+
+    def remove_sink(self, sink: Sink) -> None:
+        """Stop sending records to ``sink`` (without closing it).
+
+        Raises:
+            ValueError: ``sink`` is not attached.
+        """
+        self._monitor.remove_sink(sink)
 
     @property
     def stats(self) -> ScalerStats:
@@ -593,15 +683,23 @@ class GradScaler:
             return self._init_stats
         return ScalerStats.from_tensor(self._counters)
 
-    def watch(self, *models: torch.nn.Module) -> None:
+    def watch(self, *models: torch.nn.Module, **named_models: torch.nn.Module) -> None:
         """Learn parameter names from ``models`` so overflow reports can name them.
+
+        Keyword arguments prefix the names, which keeps several models apart
+        (``watch(encoder=enc, decoder=dec)`` names ``decoder.fc.weight``). With
+        ``probe_every`` or ``trace_nonfinite`` set, the models' leaf modules are also hooked.
+        Without ``watch()``, reports name parameters by position (``group0.param3``).
 
         Example:
             >>> scaler = GradScaler("cpu")
             >>> scaler.watch(torch.nn.Linear(2, 2))
+            >>> scaler.watch(head=torch.nn.Linear(2, 1))
         """
         for model in models:
-            self._names.watch(model)
+            self._monitor.watch(model)
+        for prefix, model in named_models.items():
+            self._monitor.watch(model, prefix)
 
     def is_enabled(self) -> bool:
         """Whether scaling is on."""

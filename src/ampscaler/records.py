@@ -1,0 +1,187 @@
+"""Step records: what one iteration did to the scale, as plain data, and the JSONL log format.
+
+A :class:`StepRecord` is made at the end of every ``update()`` that follows a ``step()`` while
+something consumes records (``history_size``, a sink, or an event callback). As JSON, one object
+per line::
+
+    {"format": "ampscaler.step/1", "step": 41, "time": 1718000000.25, "scale": 65536.0,
+     "new_scale": 32768.0, "skipped": true,
+     "overflow": {"step": 41, "names": ["fc2.weight"], "kinds": {"fc2.weight": "inf"},
+                  "scale": 65536.0, "rank": null, "ranks": [], "origin": null},
+     "probe": null}
+
+``overflow`` is present on skipped steps, ``probe`` on probed ones (see :mod:`ampscaler.probe`).
+Non-finite numbers are written as the strings ``"inf"``, ``"-inf"`` and ``"nan"`` so that every
+line is strict JSON.
+
+Example:
+    >>> record = StepRecord(step=3, scale=1024.0, new_scale=2048.0, skipped=False, time=0.0)
+    >>> str(record)
+    'step 3: scale 1024, grew to 2048'
+    >>> StepRecord.from_dict(record.as_dict()) == record
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .diagnostics import OverflowReport
+from .errors import LogFormatError
+from .probe import ProbeResult
+
+__all__ = ["FORMAT", "StepRecord", "read_log"]
+
+FORMAT = "ampscaler.step/1"
+_FORMAT_FAMILY = FORMAT.split("/")[0] + "/"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One iteration, as Python values.
+
+    Attributes:
+        step: the iteration's number (``stats.steps`` before it was counted, from 0).
+        scale: the loss scale its gradients were computed with.
+        new_scale: the scale after ``update()``.
+        skipped: whether the gradients held inf/NaN, so the optimizer step was skipped.
+        time: wall-clock time of the ``update()`` (``time.time()``).
+        overflow: on skipped steps, which parameters held inf/NaN.
+        probe: on probed steps (``probe_every``), the underflow and headroom measurements.
+    """
+
+    step: int
+    scale: float
+    new_scale: float
+    skipped: bool
+    time: float
+    overflow: OverflowReport | None = None
+    probe: ProbeResult | None = None
+
+    @property
+    def grew(self) -> bool:
+        """Whether the scale went up in this update."""
+        return self.new_scale > self.scale
+
+    @property
+    def backed_off(self) -> bool:
+        """Whether the scale went down in this update."""
+        return self.new_scale < self.scale
+
+    def __str__(self) -> str:
+        move = (
+            f", grew to {self.new_scale:g}" if self.grew
+            else f", backed off to {self.new_scale:g}" if self.backed_off
+            else ""
+        )
+        text = f"step {self.step}: scale {self.scale:g}{move}"
+        if self.skipped:
+            text += "; skipped"
+            if self.overflow is not None:
+                text += f" ({self.overflow})"
+        if self.probe is not None:
+            p = self.probe
+            text += (
+                f"; probe: {p.underflow_at_scale:.2%} of non-zero gradients underflow at this "
+                f"scale, {p.underflow_at_one:.2%} at scale 1, headroom 2^{p.headroom_log2:.1f}"
+            )
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as one JSON object (the JSONL line format, see the module docstring)."""
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "time": self.time,
+            "scale": self.scale,
+            "new_scale": self.new_scale,
+            "skipped": self.skipped,
+            "overflow": None if self.overflow is None else self.overflow.as_dict(),
+            "probe": None if self.probe is None else self.probe.as_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepRecord:
+        """The inverse of :meth:`as_dict`.
+
+        Raises:
+            KeyError, TypeError, ValueError: a field is missing or has the wrong type.
+        """
+        overflow, probe = data.get("overflow"), data.get("probe")
+        return cls(
+            step=int(data["step"]),
+            scale=float(data["scale"]),
+            new_scale=float(data["new_scale"]),
+            skipped=bool(data["skipped"]),
+            time=float(data["time"]),
+            overflow=None if overflow is None else OverflowReport.from_dict(overflow),
+            probe=None if probe is None else ProbeResult.from_dict(probe),
+        )
+
+
+def read_log(path: str | Path) -> list[StepRecord]:
+    """Read the step records of a JSONL log written by :class:`~ampscaler.JsonlSink`.
+
+    Blank lines are ignored, and so is a last line cut short without its newline (a run killed
+    while writing).
+
+    Raises:
+        OSError: the file cannot be read.
+        LogFormatError: (a ``ValueError``) the file is empty or not an ampscaler step log; the
+            message names the first bad line.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise LogFormatError(
+            f"{path} is not a text file ({error.reason}); pass a JSONL log written by "
+            "ampscaler.JsonlSink."
+        ) from error
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break  # the last line, cut short: the run stopped while writing it
+            raise LogFormatError(
+                f"{path}, line {number}, is not JSON ({error.msg}); pass a JSONL log written by "
+                "ampscaler.JsonlSink."
+            ) from error
+        records.append(_parse(path, number, data))
+    if not records:
+        raise LogFormatError(
+            f"{path} holds no step records (it is empty); records are written at each "
+            "scaler.update() once a JsonlSink is attached with scaler.add_sink()."
+        )
+    return records
+
+
+def _parse(path: Path, number: int, data: object) -> StepRecord:
+    where = f"{path}, line {number},"
+    found = data.get("format") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(found, str):
+        raise LogFormatError(
+            f"{where} is not an ampscaler step record (it has no \"format\": \"{FORMAT}\" "
+            "field); pass a JSONL log written by ampscaler.JsonlSink."
+        )
+    if found != FORMAT:
+        newer = " (written by another version of ampscaler)" if found.startswith(
+            _FORMAT_FAMILY
+        ) else ""
+        raise LogFormatError(
+            f"{where} has format {found!r}{newer}; this version reads {FORMAT!r}."
+        )
+    try:
+        return StepRecord.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise LogFormatError(
+            f"{where} is a damaged ampscaler step record ({type(error).__name__}: {error})."
+        ) from error

@@ -1,0 +1,223 @@
+"""Where step records go: a JSONL file, TensorBoard, Python ``logging``.
+
+A sink is any object with ``write(record)``; attach it with ``scaler.add_sink(sink)`` and it
+receives a :class:`~ampscaler.StepRecord` at the end of every ``update()``. Attaching a sink
+makes ``update()`` read the step's outcome from the device: one host sync per iteration.
+
+Example:
+    >>> import logging, tempfile, torch
+    >>> from ampscaler import GradScaler, JsonlSink, LoggingSink
+    >>> scaler = GradScaler("cpu")
+    >>> folder = tempfile.mkdtemp()
+    >>> jsonl = scaler.add_sink(JsonlSink(f"{folder}/steps.jsonl"))
+    >>> logged = scaler.add_sink(LoggingSink("train.scaler", level=logging.DEBUG))
+    >>> # TensorBoard (pip install 'ampscaler[tensorboard]'):
+    >>> # scaler.add_sink(TensorBoardSink("runs/exp1"))
+    >>> jsonl.close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .errors import SinkError
+from .records import StepRecord
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+__all__ = ["JsonlSink", "LoggingSink", "TensorBoardSink"]
+
+
+class JsonlSink:
+    """Writes each step record as one line of JSON (format: :mod:`ampscaler.records`).
+
+    The file is opened (and its folder created) at construction, so a bad path fails before
+    training starts; each line is flushed as it is written, so a crashed run keeps its log.
+    Read it back with :func:`ampscaler.read_log` or plot it with
+    ``python -m ampscaler report LOG.jsonl --out DIR``.
+
+    Args:
+        path: the file to write.
+        append: add to an existing log (resuming a run) instead of replacing it.
+
+    Raises:
+        SinkError: (an ``OSError``) the path cannot be opened for writing.
+
+    Example:
+        >>> import tempfile
+        >>> from ampscaler import GradScaler, JsonlSink
+        >>> scaler = GradScaler("cpu")
+        >>> with JsonlSink(f"{tempfile.mkdtemp()}/steps.jsonl") as sink:
+        ...     _ = scaler.add_sink(sink)
+        ...     # ... train ...
+    """
+
+    def __init__(self, path: str | Path, *, append: bool = False) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a" if append else "w", encoding="utf-8")
+        except OSError as error:
+            raise SinkError(
+                f"Cannot open the step log {str(self.path)!r} for writing "
+                f"({error.strerror or error}); pass a file path in a writable folder."
+            ) from error
+
+    def write(self, record: StepRecord) -> None:
+        """Append ``record`` as one line and flush it."""
+        line = json.dumps(record.as_dict(), allow_nan=False)
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as error:
+            raise SinkError(
+                f"Cannot write to the step log {str(self.path)!r} ({error.strerror or error})."
+            ) from error
+
+    def close(self) -> None:
+        """Close the file (records written after this raise ``ValueError``)."""
+        self._file.close()
+
+    def __enter__(self) -> JsonlSink:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
+
+
+class TensorBoardSink:
+    """Writes step records as TensorBoard scalars (and overflow reports as text).
+
+    Tags, under ``prefix`` (default ``ampscaler``): ``scale``, ``skipped`` (0 or 1), and on
+    probed steps ``probe/underflow_at_scale``, ``probe/underflow_at_one``,
+    ``probe/headroom_log2`` (when finite) and ``probe/module/<name>`` for the worst modules;
+    text ``overflow`` on skipped steps. The global step is the record's ``step``.
+
+    Args:
+        log_dir: the run's folder, as for ``SummaryWriter`` (``None``: ``runs/<date>...``).
+        writer: an existing ``torch.utils.tensorboard.SummaryWriter`` to share instead
+            (not closed by :meth:`close`).
+        prefix: the tag prefix.
+
+    Raises:
+        ImportError: the ``tensorboard`` package is missing
+            (``pip install 'ampscaler[tensorboard]'``).
+        SinkError: (an ``OSError``) ``log_dir`` cannot be created.
+
+    Example:
+        >>> import tempfile
+        >>> from ampscaler import GradScaler, TensorBoardSink
+        >>> scaler = GradScaler("cpu")
+        >>> sink = scaler.add_sink(TensorBoardSink(tempfile.mkdtemp()))
+        >>> sink.close()
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path | None = None,
+        *,
+        writer: SummaryWriter | None = None,
+        prefix: str = "ampscaler",
+    ) -> None:
+        if writer is not None and log_dir is not None:
+            raise ValueError("Pass TensorBoardSink either log_dir or writer, not both.")
+        self._owns_writer = writer is None
+        if writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ImportError(
+                    "TensorBoardSink needs the tensorboard package: "
+                    "pip install 'ampscaler[tensorboard]'."
+                ) from error
+            try:
+                writer = SummaryWriter(log_dir=None if log_dir is None else str(log_dir))
+            except OSError as error:
+                raise SinkError(
+                    f"Cannot create the TensorBoard log folder {str(log_dir)!r} "
+                    f"({error.strerror or error}); pass a folder that can be created."
+                ) from error
+        self.writer = writer
+        self.prefix = prefix
+
+    def write(self, record: StepRecord) -> None:
+        """Add ``record``'s scalars at global step ``record.step``."""
+        tag, step, add = self.prefix, record.step, self.writer.add_scalar
+        add(f"{tag}/scale", record.scale, step)
+        add(f"{tag}/skipped", float(record.skipped), step)
+        if record.overflow is not None:
+            self.writer.add_text(f"{tag}/overflow", str(record.overflow), step)
+        probe = record.probe
+        if probe is not None:
+            add(f"{tag}/probe/underflow_at_scale", probe.underflow_at_scale, step)
+            add(f"{tag}/probe/underflow_at_one", probe.underflow_at_one, step)
+            if math.isfinite(probe.headroom_log2):
+                add(f"{tag}/probe/headroom_log2", probe.headroom_log2, step)
+            for name, fraction in probe.modules.items():
+                add(f"{tag}/probe/module/{name}", fraction, step)
+
+    def flush(self) -> None:
+        """Write pending events to disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush, and close the writer if this sink created it."""
+        if self._owns_writer:
+            self.writer.close()
+        else:
+            self.writer.flush()
+
+
+class LoggingSink:
+    """Sends step records to a Python logger, one line each.
+
+    Skipped steps log at ``WARNING`` (with the overflow report), scale changes and probe
+    results at ``INFO``, other steps at ``level`` (``DEBUG`` by default, so an ``INFO`` logger
+    shows only what changed).
+
+    Args:
+        logger: a logger or a logger name.
+        level: the level of ordinary steps.
+
+    Example:
+        >>> from ampscaler import GradScaler, LoggingSink
+        >>> scaler = GradScaler("cpu")
+        >>> _ = scaler.add_sink(LoggingSink("train.scaler"))
+    """
+
+    def __init__(
+        self, logger: logging.Logger | str = "ampscaler", *, level: int = logging.DEBUG
+    ) -> None:
+        self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
+        self.level = level
+
+    def write(self, record: StepRecord) -> None:
+        """Log ``record``."""
+        if record.skipped:
+            level = logging.WARNING
+        elif record.grew or record.backed_off or record.probe is not None:
+            level = logging.INFO
+        else:
+            level = self.level
+        self.logger.log(level, "%s", record)
+
+    def close(self) -> None:
+        """Nothing to release (present so every sink can be closed alike)."""
+
+    def __repr__(self) -> str:
+        return f"LoggingSink({self.logger.name!r})"
+

@@ -1,0 +1,119 @@
+"""Tapping the gradients that flow through the leaf modules of a model during backward.
+
+A forward hook on each leaf module registers tensor hooks on the module's outputs (and, if
+asked, its inputs); parameter hooks tap the gradients of the module's own parameters. Each tap
+calls ``callback(module_name, where, grad)`` with ``where`` one of ``"output"`` (the gradient
+arriving at the module), ``"input"`` (the gradient its backward passes on) and ``"param"``.
+Tensor hooks never change the gradient. Used by the underflow probe and the non-finite tracer;
+nothing is registered until :meth:`GradTaps.attach`, and :meth:`GradTaps.detach` removes it all.
+
+Example:
+    >>> import torch
+    >>> seen = []
+    >>> taps = GradTaps(lambda name, where, grad: seen.append((name, where)))
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> taps.attach(model)
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> seen
+    [('1', 'output'), ('0', 'output')]
+    >>> taps.detach()
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["GradTaps", "leaf_modules"]
+
+Tap = Callable[[str, str, torch.Tensor], None]
+
+
+def leaf_modules(model: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` for every module of ``model`` that has no children.
+
+    A model without children is its own leaf, named ``prefix`` or its class name.
+    """
+    lead = f"{prefix}." if prefix else ""
+    for name, module in model.named_modules():
+        if next(module.children(), None) is None:
+            yield (lead + name if name else prefix or type(module).__name__), module
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class GradTaps:
+    """Hooks that pass the gradients around leaf modules to ``callback``.
+
+    The hooks hold ``callback`` weakly when it is a bound method, and are removed when its
+    object is collected: a model does not keep a dropped scaler's probe or tracer alive.
+
+    Args:
+        callback: called as ``callback(module_name, where, grad)`` during backward.
+        inputs: also tap the gradients of the modules' floating-point inputs.
+        params: also tap the gradients of the modules' own parameters.
+    """
+
+    def __init__(self, callback: Tap, *, inputs: bool = False, params: bool = False) -> None:
+        owner = getattr(callback, "__self__", None)
+        if owner is not None:
+            self._callback: Callable[[], Tap | None] = weakref.WeakMethod(callback)
+            weakref.finalize(owner, self.detach)
+        else:
+            self._callback = lambda: callback
+        self._inputs = inputs
+        self._params = params
+        self._handles: list[RemovableHandle] = []
+
+    @property
+    def attached(self) -> bool:
+        """Whether any hook is registered."""
+        return bool(self._handles)
+
+    def attach(self, model: torch.nn.Module, prefix: str = "") -> None:
+        """Register the hooks on every leaf module of ``model`` (names prefixed by ``prefix``)."""
+        for name, module in leaf_modules(model, prefix):
+            self._handles.append(module.register_forward_hook(partial(self._forward, name)))
+            if self._params:
+                for param in module.parameters(recurse=False):
+                    if param.requires_grad:
+                        hook = partial(self._tap, name, "param")
+                        handle = param.register_hook(hook)  # type: ignore[no-untyped-call]
+                        self._handles.append(handle)
+
+    def detach(self) -> None:
+        """Remove every hook this object registered (tensor hooks of a pending backward stay)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _forward(
+        self, name: str, module: torch.nn.Module, args: tuple[object, ...], output: object
+    ) -> None:
+        if self._inputs:
+            for tensor in _tensors(args):
+                self._hook(name, "input", tensor)
+        for tensor in _tensors(output):
+            self._hook(name, "output", tensor)
+
+    def _hook(self, name: str, where: str, tensor: torch.Tensor) -> None:
+        if tensor.requires_grad and tensor.is_floating_point():
+            tensor.register_hook(partial(self._tap, name, where))  # type: ignore[no-untyped-call]
+
+    def _tap(self, name: str, where: str, grad: torch.Tensor) -> None:
+        callback = self._callback()
+        if callback is not None:
+            callback(name, where, grad)

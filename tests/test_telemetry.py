@@ -1,0 +1,235 @@
+"""Step records, history, events and sinks; and that none of it costs a sync by default."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import ampscaler
+from ampscaler import GradScaler, InvalidConfigError, JsonlSink, SinkError, StepRecord
+from training_loop import Net, run_loop
+from twins import assert_same_trace, make_script, run_twin
+
+INF, NAN = float("inf"), float("nan")
+POISON = {2: {"head.weight": INF}, 3: {"body.0.bias": NAN}, 7: {"body.2.weight": INF}}
+
+
+def _train(scaler: Any, steps: int = 10, poison: dict[int, dict[str, float]] | None = None,
+           **kwargs: Any) -> Net:
+    torch.manual_seed(0)
+    model = Net()
+    if isinstance(scaler, GradScaler):
+        scaler.watch(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run_loop(scaler, model, optimizer, steps, POISON if poison is None else poison, **kwargs)
+    return model
+
+
+def test_history_is_bounded_and_agrees_with_torch_side_by_side() -> None:
+    ours = GradScaler("cpu", init_scale=1024.0, growth_interval=2, history_size=6)
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    scales = [1024.0]
+    _train(theirs, after_update=lambda i: scales.append(theirs.get_scale()))
+    _train(ours)
+    history = ours.history
+    assert [r.step for r in history] == [4, 5, 6, 7, 8, 9]
+    assert [r.scale for r in history] == scales[4:10]
+    assert [r.new_scale for r in history] == scales[5:11]
+    assert [r.skipped for r in history] == [i in POISON for i in range(4, 10)]
+    assert history[3].overflow is not None and history[3].overflow.names == ["body.2.weight"]
+    assert all(r.overflow is None for r in history if not r.skipped)
+
+
+def test_events_fire_once_per_matching_iteration_and_can_be_removed() -> None:
+    scaler = GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    fired: dict[str, list[int]] = {event: [] for event in ("step", "overflow", "backoff", "growth")}
+    removers = [
+        scaler.on(event, lambda record, event=event: fired[event].append(record.step))
+        for event in fired
+    ]
+    _train(scaler)
+    stats = scaler.stats
+    assert fired["step"] == list(range(10))
+    assert fired["overflow"] == sorted(POISON)
+    assert len(fired["backoff"]) == stats.backoffs == 3
+    assert len(fired["growth"]) == stats.growths > 0
+    for remove in removers:
+        remove()
+    before = {event: len(steps) for event, steps in fired.items()}
+    _train(scaler, steps=2)
+    assert {event: len(steps) for event, steps in fired.items()} == before
+
+
+def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every Python-level read of a tensor's value (the host syncs of CPU code)."""
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self: torch.Tensor, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            reads.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return reads
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_update_reads_nothing_from_the_device_unless_records_are_consumed(
+    monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = (
+        torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        if fused else torch.optim.SGD(model.parameters(), lr=1e-3)
+    )
+    scaler = GradScaler("cpu", growth_interval=2)
+    scaler.watch(model)
+    reads = _count_syncs(monkeypatch)
+    per_update: list[int] = []
+    real_update = scaler.update
+
+    def counted_update() -> None:
+        before = len(reads)
+        real_update()
+        per_update.append(len(reads) - before)
+
+    monkeypatch.setattr(scaler, "update", counted_update)
+    run_loop(scaler, model, optimizer, steps=4, poison={1: {"head.bias": INF}})
+    assert per_update == [0, 0, 0, 0]
+    scaler.add_sink(ampscaler.LoggingSink("test.syncs"))
+    run_loop(scaler, model, optimizer, steps=3)
+    assert per_update[4:] == [1, 1, 1]  # one read of the packed outcome per update
+
+
+def test_jsonl_log_holds_exactly_the_history(tmp_path: Path) -> None:
+    scaler = GradScaler("cpu", growth_interval=3, history_size=100, probe_every=4)
+    path = tmp_path / "logs" / "steps.jsonl"
+    with scaler.add_sink(JsonlSink(path)):
+        _train(scaler)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 10
+    records = ampscaler.read_log(path)
+    assert records == scaler.history
+    assert [r.probe is not None for r in records] == [i % 4 == 0 for i in range(10)]
+    assert records[3].overflow is not None and records[3].overflow.kinds == {"body.0.bias": "nan"}
+
+
+def test_jsonl_sink_reports_an_unwritable_path_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SinkError, match="a-file") as caught:
+        JsonlSink(blocker / "steps.jsonl")
+    assert isinstance(caught.value, OSError)
+
+
+def test_tensorboard_event_file_holds_the_scale_series(tmp_path: Path) -> None:
+    scaler = GradScaler("cpu", growth_interval=2, history_size=100, probe_every=5)
+    sink = scaler.add_sink(ampscaler.TensorBoardSink(tmp_path / "tb"))
+    _train(scaler)
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scale = [(e.step, e.value) for e in events.Scalars("ampscaler/scale")]
+    assert scale == [(r.step, r.scale) for r in scaler.history]
+    skipped = [e.step for e in events.Scalars("ampscaler/skipped") if e.value == 1.0]
+    assert skipped == sorted(POISON)
+    assert [e.step for e in events.Scalars("ampscaler/probe/underflow_at_one")] == [0, 5]
+    assert "ampscaler/overflow/text_summary" in events.Tags()["tensors"]
+
+
+def test_logging_sink_warns_on_skips_and_informs_on_scale_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scaler = GradScaler("cpu", growth_interval=2)
+    scaler.add_sink(ampscaler.LoggingSink("test.scaler"))
+    with caplog.at_level(logging.DEBUG, logger="test.scaler"):
+        _train(scaler, steps=4)
+    levels = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records]
+    assert levels == [
+        ("DEBUG", "step 0"),
+        ("INFO", "step 1"),  # grew
+        ("WARNING", "step 2"),
+        ("WARNING", "step 3"),
+    ]
+    assert "head.weight (inf)" in caplog.records[2].getMessage()
+
+
+@pytest.mark.parametrize("seed", [4, 6])  # fused Adam / plain SGD, both with overflows
+def test_records_and_probe_do_not_change_results(seed: int, tmp_path: Path) -> None:
+    def observed(device: str, **kwargs: Any) -> GradScaler:
+        scaler = GradScaler(device, **kwargs, history_size=4, probe_every=2)
+        scaler.add_sink(JsonlSink(tmp_path / f"{id(scaler)}.jsonl"))
+        scaler.on("step", lambda record: None)
+        return scaler
+
+    script = make_script(seed)
+    assert_same_trace(run_twin(script, observed), run_twin(script, torch.amp.GradScaler))
+
+
+def test_watched_models_train_bit_for_bit_as_with_torch() -> None:
+    ours = GradScaler("cpu", growth_interval=2, probe_every=3, trace_nonfinite=True, history_size=2)
+    theirs = torch.amp.GradScaler("cpu", growth_interval=2)
+    trained = [_train(ours), _train(theirs)]
+    for mine, other in zip(*(m.parameters() for m in trained), strict=True):
+        assert torch.equal(mine, other)
+    assert ours.get_scale() == theirs.get_scale()
+
+
+def test_copies_keep_the_history_but_not_sinks_or_callbacks(tmp_path: Path) -> None:
+    scaler = GradScaler("cpu", history_size=3, probe_every=2)
+    path = tmp_path / "steps.jsonl"
+    sink = scaler.add_sink(JsonlSink(path))
+    called: list[int] = []
+    scaler.on("step", lambda record: called.append(record.step))
+    _train(scaler, steps=4)
+    for clone in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        assert clone.history == scaler.history
+        _train(clone, steps=1)
+        assert len(clone.history) == 3 and clone.history[-1].step == 4
+    sink.close()
+    assert len(path.read_text().splitlines()) == 4 and called == [0, 1, 2, 3]
+
+
+def test_bad_options_and_calls_are_clear_errors() -> None:
+    for kwargs in ({"history_size": -1}, {"probe_every": 0}, {"trace_nonfinite": "yes"}):
+        with pytest.raises(InvalidConfigError, match=next(iter(kwargs))):
+            GradScaler("cpu", **kwargs)
+    scaler = GradScaler("cpu")
+    with pytest.raises(ValueError, match="'overflow', 'backoff', 'growth'"):
+        scaler.on("explosion", print)
+    with pytest.raises(TypeError, match="callable"):
+        scaler.on("step", 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="write"):
+        scaler.add_sink(object())  # type: ignore[type-var]
+    with pytest.raises(ValueError, match="not attached"):
+        scaler.remove_sink(ampscaler.LoggingSink())
+
+
+def test_a_disabled_scaler_records_nothing_and_hooks_nothing() -> None:
+    scaler = GradScaler("cpu", enabled=False, history_size=5, probe_every=1, trace_nonfinite=True)
+    model = _train(scaler, steps=2, poison={})
+    assert scaler.history == [] and scaler.last_overflow is None
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_record_text_and_dict_round_trip() -> None:
+    report = ampscaler.OverflowReport(
+        step=4, names=["w"], kinds={"w": "nan"}, scale=8.0, origin="fc"
+    )
+    record = StepRecord(
+        step=4, scale=8.0, new_scale=4.0, skipped=True, time=1.5, overflow=report
+    )
+    assert str(record) == (
+        "step 4: scale 8, backed off to 4; skipped (step 4: non-finite gradients at scale 8 in "
+        "1 parameter(s): w (nan); first non-finite in the backward of fc)"
+    )
+    assert StepRecord.from_dict(record.as_dict()) == record
