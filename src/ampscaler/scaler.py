@@ -396,12 +396,14 @@ class GradScaler:
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
             groups = group_grads(optimizer, allow_fp16=True)
             record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
-            if not record.found_inf_per_device:
-                record.found_inf_per_device = {found_inf.device: found_inf}
             grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
-        found_inf = self._combined_found_inf(record, state.scale.device)
+        if record.found_inf_per_device:
+            found_inf = self._combined_found_inf(record, state.scale.device)
+        else:
+            # No gradients: nothing to step, and (as in torch) nothing recorded for update().
+            found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
@@ -494,17 +496,20 @@ class GradScaler:
         in_a_row = int(self._counters[counters_.FIELDS.index("consecutive_skips")].item())
         if in_a_row < self._max_consecutive_skips:
             return
+        step = self.stats.steps - 1
         report = self._last_overflow
-        if report is None or not report.names:
+        # A report from an earlier iteration is stale (fused optimizers skip without one).
+        if report is None or report.step != step or not report.names:
             report = locate_overflow(
-                optimizers, self._names, step=self.stats.steps - 1, scale=float(old_state.scale)
+                optimizers, self._names, step=step, scale=float(old_state.scale)
             )
-        kinds = sorted(set(report.kinds.values()))
-        held = " and ".join(kinds) if kinds else "inf/NaN"
+        kinds = {part for kind in report.kinds.values() for part in kind.split("+")}
+        spelled = [word for kind, word in (("inf", "inf"), ("nan", "NaN")) if kind in kinds]
+        held = " and ".join(spelled) if spelled else "inf/NaN"
         nan_hint = (
             " NaN that persists at a small scale is a bug in the model or the data (a log of "
             "0, a division by zero, a bad sample), not an overflow: look there first."
-            if any("nan" in k for k in kinds)
+            if "nan" in kinds
             else ""
         )
         where = f" Affected: {report}." if report.names else ""
