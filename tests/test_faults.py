@@ -165,6 +165,7 @@ def test_gradients_on_two_devices_match_torch() -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
-        results.append((scaler.get_scale(), [p.detach().cpu() for p in optimizer.param_groups[0]["params"]]))
+        params = [p.detach().cpu() for p in optimizer.param_groups[0]["params"]]
+        results.append((scaler.get_scale(), params))
     assert results[0][0] == results[1][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
