@@ -147,3 +147,19 @@ def test_ampscaler_checkpoint_loads_into_torch_and_continues_alike() -> None:
     theirs.scaler.load_state_dict(saved["scaler"])
     mine, other = play(ours, range(5, STEPS)), play(theirs, range(5, STEPS))
     assert [(r.scale, r.params) for r in mine] == [(r.scale, r.params) for r in other]
+
+
+def test_bounds_that_float32_cannot_hold_survive_a_round_trip() -> None:
+    """min_scale=33554401 is 33554400 as a float32; the scale sits there and must reload."""
+    scaler = ampscaler.GradScaler(
+        "cpu", init_scale=33554401.0, min_scale=33554401.0, max_scale=2.0**26 + 5
+    )
+    scaler.scale(torch.ones(()))
+    scaler.update(2.0**26 + 5)
+    saved = through_bytes({"s": scaler.state_dict()})["s"]
+    assert saved["scale"] == 2.0**26 + 8  # the float32 nearest to max_scale
+    fresh = ampscaler.GradScaler("cpu")
+    fresh.load_state_dict(saved)
+    fresh.scale(torch.ones(()))
+    fresh.update(33554401.0)
+    assert fresh.get_scale() == 33554400.0
