@@ -66,8 +66,17 @@ def _device_type(device: str | torch.device | None) -> str | None:
         return torch.device(device).type
     except RuntimeError as error:
         raise InvalidConfigError(
-            f"device {device!r} is not a torch device type ({error}); use 'cpu', 'cuda', ..."
+            f"device {device!r} is not a torch device type; use 'cpu', 'cuda', 'mps', 'xpu', ... "
+            "or None for the device of the first scaled tensor."
         ) from error
+
+
+def _check_skip_limit(limit: object) -> int | None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidConfigError(
+            f"max_consecutive_skips must be an int >= 1 or None, got {limit!r}."
+        )
+    return limit
 
 
 class GradScaler:
@@ -146,14 +155,7 @@ class GradScaler:
             dynamic=dynamic,
         )
         self._init_scale = self._policy.check_scale("init_scale", init_scale)
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, int)
-            or max_consecutive_skips < 1
-        ):
-            raise InvalidConfigError(
-                f"max_consecutive_skips must be an int >= 1 or None, got {max_consecutive_skips!r}."
-            )
+        max_consecutive_skips = _check_skip_limit(max_consecutive_skips)
         if not isinstance(enabled, bool):
             raise InvalidConfigError(f"enabled must be True or False, got {enabled!r}.")
         self._max_consecutive_skips = max_consecutive_skips
@@ -725,16 +727,27 @@ class GradScaler:
             scale = policy.check_scale("scale", state_dict["scale"])
             tracker = state_dict["_growth_tracker"]
             budget = state_dict.get("_hysteresis_tracker", policy.hysteresis)
-            for name, value in (("_growth_tracker", tracker), ("_hysteresis_tracker", budget)):
+            limit = _check_skip_limit(
+                state_dict.get("max_consecutive_skips", self._max_consecutive_skips)
+            )
+            counts = state_dict.get("stats", {})
+            if not isinstance(counts, Mapping):
+                raise InvalidConfigError(f"stats must be a dict of counters, got {counts!r}.")
+            checked = [("_growth_tracker", tracker), ("_hysteresis_tracker", budget)]
+            checked += [(f"stats[{key!r}]", value) for key, value in counts.items()]
+            for name, value in checked:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidConfigError(f"{name} must be an int >= 0, got {value!r}.")
-            stats = ScalerStats(**state_dict.get("stats", {}))
+            if budget > policy.hysteresis:
+                raise InvalidConfigError(
+                    f"_hysteresis_tracker must not exceed hysteresis ({policy.hysteresis}), "
+                    f"got {budget}."
+                )
+            stats = ScalerStats(**counts)
         except (InvalidConfigError, TypeError) as error:
             raise InvalidStateDictError(f"Invalid GradScaler state dict: {error}") from error
         self._policy = policy
-        self._max_consecutive_skips = state_dict.get(
-            "max_consecutive_skips", self._max_consecutive_skips
-        )
+        self._max_consecutive_skips = limit
         self._init_scale = scale
         self._init_growth_tracker = tracker
         self._init_hysteresis_left = budget
