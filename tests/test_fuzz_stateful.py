@@ -285,7 +285,7 @@ class ScalerMachine(RuleBasedStateMachine):
 
 
 ScalerMachine.TestCase.settings = settings(
-    max_examples=120,
+    max_examples=200,
     stateful_step_count=30,
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],

@@ -391,6 +391,7 @@ class GradScaler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        grad_scale: torch.Tensor | None
         if record.stage is OptState.READY:
             # Check only: the optimizer's kernel unscales with grad_scale as it steps.
             self._prepare_grads(optimizer)
