@@ -21,7 +21,7 @@ class ScalerStats:
     """What happened so far, as Python ints.
 
     Attributes:
-        steps: iterations that reached ``update()`` after at least one ``step()``.
+        steps: iterations that reached ``update()`` after at least one ``step()`` or ``unscale_()``.
         skipped: of those, iterations whose gradients held inf or NaN (the optimizer skipped).
         growths: updates that raised the scale.
         backoffs: updates that lowered the scale.

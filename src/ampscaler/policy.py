@@ -55,6 +55,11 @@ def _require_number(name: str, value: object) -> float:
     return float(value)
 
 
+def _float32(value: float) -> float:
+    """``value`` as the float32 the scale tensor holds (``inf`` beyond float32's range)."""
+    return float(torch.tensor(value, dtype=torch.float64).float())
+
+
 def _require_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
@@ -76,7 +81,8 @@ class ScalePolicy:
             overflow, as torch does); refilled whenever the scale grows; >= 1.
         min_scale: the scale never backs off below this; ``None`` for no bound.
         max_scale: the scale never grows above this; ``None`` for no bound (growth still stops
-            short of float32 infinity).
+            short of float32 infinity). Both bounds apply as float32, the scale's type: a bound
+            that float32 cannot hold exactly is rounded to the nearest float32 first.
         dynamic: ``False`` keeps the scale fixed; steps with inf/NaN gradients are still skipped.
 
     Raises:
@@ -109,10 +115,11 @@ class ScalePolicy:
         for name in ("min_scale", "max_scale"):
             bound = getattr(self, name)
             if bound is not None:
-                value = _require_number(name, bound)
+                value = _float32(_require_number(name, bound))
                 if not (value > 0.0 and math.isfinite(value)):
                     raise InvalidConfigError(
-                        f"{name} must be a finite number > 0 or None, got {bound!r}."
+                        f"{name} must be a number > 0 that is finite as a float32, or None, "
+                        f"got {bound!r}."
                     )
         if (
             self.min_scale is not None
@@ -126,17 +133,25 @@ class ScalePolicy:
     def check_scale(self, name: str, scale: object) -> float:
         """Validate a scale value (``init_scale``, ``new_scale``, a loaded one) for this policy.
 
-        Returns it as a float, or raises :class:`InvalidConfigError` naming ``name`` and the
-        allowed range.
+        The scale is a float32, so the value and the bounds are compared as float32: every
+        value this policy produces passes. Returns the value as a float, or raises
+        :class:`InvalidConfigError` naming ``name`` and the allowed range.
         """
         value = _require_number(name, scale)
-        low = 0.0 if self.min_scale is None else self.min_scale
-        high = math.inf if self.max_scale is None else self.max_scale
-        if not (math.isfinite(value) and value > 0.0 and low <= value <= high):
-            allowed = f"[{self.min_scale}, {self.max_scale}]" if (
-                self.min_scale is not None or self.max_scale is not None
-            ) else "a finite number > 0"
-            raise InvalidConfigError(f"{name} must be {allowed}, got {scale!r}.")
+        stored = _float32(value)
+        low = 0.0 if self.min_scale is None else _float32(self.min_scale)
+        high = math.inf if self.max_scale is None else _float32(self.max_scale)
+        if not (math.isfinite(stored) and stored > 0.0 and low <= stored <= high):
+            within = (
+                ""
+                if self.min_scale is None and self.max_scale is None
+                else f" and within [min_scale, max_scale] = [{self.min_scale or 0}, "
+                f"{self.max_scale or math.inf}]"
+            )
+            raise InvalidConfigError(
+                f"{name} must be a number > 0 that is finite as a float32{within}, "
+                f"got {scale!r}."
+            )
         return value
 
 

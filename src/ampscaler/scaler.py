@@ -70,8 +70,17 @@ def _device_type(device: str | torch.device | None) -> str | None:
         return torch.device(device).type
     except RuntimeError as error:
         raise InvalidConfigError(
-            f"device {device!r} is not a torch device type ({error}); use 'cpu', 'cuda', ..."
+            f"device {device!r} is not a torch device type; use 'cpu', 'cuda', 'mps', 'xpu', ... "
+            "or None for the device of the first scaled tensor."
         ) from error
+
+
+def _check_skip_limit(limit: object) -> int | None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidConfigError(
+            f"max_consecutive_skips must be an int >= 1 or None, got {limit!r}."
+        )
+    return limit
 
 
 class GradScaler:
@@ -160,14 +169,7 @@ class GradScaler:
             dynamic=dynamic,
         )
         self._init_scale = self._policy.check_scale("init_scale", init_scale)
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, int)
-            or max_consecutive_skips < 1
-        ):
-            raise InvalidConfigError(
-                f"max_consecutive_skips must be an int >= 1 or None, got {max_consecutive_skips!r}."
-            )
+        max_consecutive_skips = _check_skip_limit(max_consecutive_skips)
         if not isinstance(enabled, bool):
             raise InvalidConfigError(f"enabled must be True or False, got {enabled!r}.")
         self._max_consecutive_skips = max_consecutive_skips
@@ -409,6 +411,7 @@ class GradScaler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        grad_scale: torch.Tensor | None
         if record.stage is OptState.READY:
             # Check only: the optimizer's kernel unscales with grad_scale as it steps.
             self._prepare_grads(optimizer, state.scale)
@@ -416,12 +419,14 @@ class GradScaler:
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
             groups = group_grads(optimizer, allow_fp16=True)
             record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
-            if not record.found_inf_per_device:
-                record.found_inf_per_device = {found_inf.device: found_inf}
-            grad_scale: torch.Tensor | None = state.scale * getattr(optimizer, "grad_scale", 1)
+            grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
-        found_inf = self._combined_found_inf(record, state.scale.device)
+        if record.found_inf_per_device:
+            found_inf = self._combined_found_inf(record, state.scale.device)
+        else:
+            # No gradients: nothing to step, and (as in torch) nothing recorded for update().
+            found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
@@ -508,12 +513,14 @@ class GradScaler:
         if in_a_row < self._max_consecutive_skips:
             return
         report = self.last_overflow
-        kinds = sorted(set(report.kinds.values())) if report is not None else []
-        held = " and ".join(kinds) if kinds else "inf/NaN"
+        found = report.kinds.values() if report is not None else ()
+        kinds = {part for kind in found for part in kind.split("+")}
+        spelled = [word for kind, word in (("inf", "inf"), ("nan", "NaN")) if kind in kinds]
+        held = " and ".join(spelled) if spelled else "inf/NaN"
         nan_hint = (
             " NaN that persists at a small scale is a bug in the model or the data (a log of "
             "0, a division by zero, a bad sample), not an overflow: look there first."
-            if any("nan" in k for k in kinds)
+            if "nan" in kinds
             else ""
         )
         where = f" Affected: {report}." if report is not None and report.names else ""
@@ -819,16 +826,27 @@ class GradScaler:
             scale = policy.check_scale("scale", state_dict["scale"])
             tracker = state_dict["_growth_tracker"]
             budget = state_dict.get("_hysteresis_tracker", policy.hysteresis)
-            for name, value in (("_growth_tracker", tracker), ("_hysteresis_tracker", budget)):
+            limit = _check_skip_limit(
+                state_dict.get("max_consecutive_skips", self._max_consecutive_skips)
+            )
+            counts = state_dict.get("stats", {})
+            if not isinstance(counts, Mapping):
+                raise InvalidConfigError(f"stats must be a dict of counters, got {counts!r}.")
+            checked = [("_growth_tracker", tracker), ("_hysteresis_tracker", budget)]
+            checked += [(f"stats[{key!r}]", value) for key, value in counts.items()]
+            for name, value in checked:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidConfigError(f"{name} must be an int >= 0, got {value!r}.")
-            stats = ScalerStats(**state_dict.get("stats", {}))
+            if budget > policy.hysteresis:
+                raise InvalidConfigError(
+                    f"_hysteresis_tracker must not exceed hysteresis ({policy.hysteresis}), "
+                    f"got {budget}."
+                )
+            stats = ScalerStats(**counts)
         except (InvalidConfigError, TypeError) as error:
             raise InvalidStateDictError(f"Invalid GradScaler state dict: {error}") from error
         self._policy = policy
-        self._max_consecutive_skips = state_dict.get(
-            "max_consecutive_skips", self._max_consecutive_skips
-        )
+        self._max_consecutive_skips = limit
         self._init_scale = scale
         self._init_growth_tracker = tracker
         self._init_hysteresis_left = budget
