@@ -84,6 +84,8 @@ class OverflowReport:
         kinds: name -> ``"inf"``, ``"nan"`` or ``"inf+nan"``.
         scale: the loss scale the gradients were computed with.
         rank: the process's rank in the default process group, or ``None`` when not distributed.
+        ranks: with a scaler ``process_group``, the global ranks whose gradients overflowed (the
+            whole group skipped the step with them); empty otherwise.
     """
 
     step: int
@@ -95,6 +97,13 @@ class OverflowReport:
 
     def __str__(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
+        label = "rank" if len(self.ranks) == 1 else "ranks"
+        culprits = f"{label} {', '.join(map(str, self.ranks))}"
+        if self.ranks and self.rank not in self.ranks:
+            return (
+                f"step {self.step}{where}: skipped with the whole process group because of an "
+                f"overflow on {culprits} at scale {self.scale:g}; this rank's gradients were finite"
+            )
         if not self.names:
             return (
                 f"step {self.step}{where}: overflow at scale {self.scale:g}, but no gradient "
@@ -102,9 +111,10 @@ class OverflowReport:
             )
         shown = ", ".join(f"{n} ({self.kinds[n]})" for n in self.names[:10])
         more = f" and {len(self.names) - 10} more" if len(self.names) > 10 else ""
+        also = f" (overflow on {culprits})" if self.ranks else ""
         return (
             f"step {self.step}{where}: non-finite gradients at scale {self.scale:g} in "
-            f"{len(self.names)} parameter(s): {shown}{more}"
+            f"{len(self.names)} parameter(s): {shown}{more}{also}"
         )
 
 

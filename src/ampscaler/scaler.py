@@ -23,6 +23,7 @@ import torch
 from . import counters as counters_
 from .counters import ScalerStats
 from .diagnostics import OverflowReport, ParamNames, locate_overflow
+from .distributed import RankAgreement, local_shards
 from .errors import (
     InvalidConfigError,
     InvalidStateDictError,
@@ -50,6 +51,7 @@ class _OptimizerRecord:
     optimizer: torch.optim.Optimizer
     stage: OptState = OptState.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
 
 
 def _device_type(device: str | torch.device | None) -> str | None:
@@ -116,9 +118,19 @@ class GradScaler:
         max_consecutive_skips: raise :class:`~ampscaler.PersistentOverflowError` from
             :meth:`update` once this many iterations in a row were skipped, instead of skipping
             forever. Setting it makes :meth:`update` read one counter from the device (a sync).
+        process_group: a ``torch.distributed`` process group whose ranks must agree on overflow:
+            each optimizer's inf/NaN flag is max-reduced over it before the step decision, so
+            all its ranks step or skip together and keep identical scales. Needed when ranks
+            hold different gradients (FSDP, ZeRO, tensor or pipeline parallelism); not with
+            DDP, whose gradients are already all-reduced. Construct the scaler after
+            ``init_process_group``, with the same arguments on every rank, and call its methods
+            in the same order on every rank. See ``docs/distributed.md``.
 
     Raises:
-        InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument.
+        InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument;
+            a ``process_group`` while torch.distributed is not initialized, or one this rank is
+            not a member of; at the first step, ranks of ``process_group`` whose settings or
+            scale differ (naming the differences).
     """
 
     def __init__(
@@ -135,6 +147,7 @@ class GradScaler:
         max_scale: float | None = None,
         dynamic: bool = True,
         max_consecutive_skips: int | None = None,
+        process_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self._policy = ScalePolicy(
             growth_factor=growth_factor,
@@ -177,6 +190,7 @@ class GradScaler:
         self._last_found_inf: torch.Tensor | bool | None = None
         self._last_overflow: OverflowReport | None = None
         self._names = ParamNames()
+        self._agreement = None if process_group is None else RankAgreement(process_group)
 
     # ------------------------------------------------------------------ state plumbing
 
@@ -323,8 +337,37 @@ class GradScaler:
         inv_scale = state.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
         groups = group_grads(optimizer, allow_fp16=False)
+        if self._agreement is not None:
+            groups = local_shards(groups)
         record.found_inf_per_device = check_and_unscale_(groups, inv_scale, found_inf)
+        self._agree(record, state)
         record.stage = OptState.UNSCALED
+
+    def _agree(self, record: _OptimizerRecord, state: ScaleState) -> None:
+        """With a process group: start max-reducing ``record``'s flag over it (no host sync).
+
+        A rank whose optimizer holds no gradients takes part with a zero flag. The first call
+        also checks that every rank has the same settings (a host sync, once).
+        """
+        agreement = self._agreement
+        if agreement is None:
+            return
+        device = state.scale.device
+        if not agreement.checked:
+            agreement.check_settings(
+                {
+                    **dataclasses.asdict(self._policy),
+                    "max_consecutive_skips": self._max_consecutive_skips,
+                    **state._asdict(),
+                }
+            )
+        local = (
+            self._combined_found_inf(record, device)
+            if record.found_inf_per_device
+            else torch.zeros((), dtype=torch.float32, device=device)
+        )
+        record.local_found_inf = local
+        record.found_inf_per_device = {device: agreement.launch(local)}
 
     def _combined_found_inf(self, record: _OptimizerRecord, device: torch.device) -> torch.Tensor:
         flags = [f.to(device, non_blocking=True) for f in record.found_inf_per_device.values()]
@@ -372,12 +415,14 @@ class GradScaler:
             return self._fused_step(optimizer, record, state, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
+        if self._agreement is not None:
+            self._agreement.settle()  # the decision below needs the agreed flag
         found_inf = self._combined_found_inf(record, state.scale.device)
         skipped = bool(found_inf.item())
         self._last_found_inf = skipped
         record.stage = OptState.STEPPED
         if skipped:
-            self._note_overflow([optimizer], state)
+            self._note_overflow([optimizer], state, record.local_found_inf)
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -395,12 +440,17 @@ class GradScaler:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
             groups = group_grads(optimizer, allow_fp16=True)
+            if self._agreement is not None:
+                groups = local_shards(groups)
             record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
             if not record.found_inf_per_device:
                 record.found_inf_per_device = {found_inf.device: found_inf}
+            self._agree(record, state)
             grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
+        if self._agreement is not None:
+            self._agreement.settle()  # the kernel must see the agreed flag
         found_inf = self._combined_found_inf(record, state.scale.device)
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
@@ -414,13 +464,20 @@ class GradScaler:
         return retval
 
     def _note_overflow(
-        self, optimizers: Iterable[torch.optim.Optimizer], state: ScaleState
+        self,
+        optimizers: Iterable[torch.optim.Optimizer],
+        state: ScaleState,
+        local_found_inf: torch.Tensor | None = None,
     ) -> None:
         counters = self._counters
         step = 0 if counters is None else int(counters[0].item())
-        self._last_overflow = locate_overflow(
+        report = locate_overflow(
             optimizers, self._names, step=step, scale=float(state.scale.item())
         )
+        if self._agreement is not None and local_found_inf is not None:
+            ranks = self._agreement.ranks_with_overflow(local_found_inf)
+            report = dataclasses.replace(report, ranks=ranks)
+        self._last_overflow = report
 
     # ------------------------------------------------------------------ update
 
@@ -445,6 +502,8 @@ class GradScaler:
         if not self._enabled:
             return
         state = self._require_state("update")
+        if self._agreement is not None:
+            self._agreement.settle()
         found_infs = [
             flag.to(state.scale.device, non_blocking=True)
             for record in self._per_optimizer.values()
