@@ -74,6 +74,15 @@ class Trace:
     params: list[torch.Tensor] = field(default_factory=list)
     stats: ampscaler.ScalerStats | None = None
 
+    def record(self, scaler: ampscaler.GradScaler, step: int) -> None:
+        """Note the scale, the skip and the overflow report after ``step``'s ``update()``."""
+        self.scales.append(scaler.get_scale())
+        self.skipped.append(scaler.last_step_skipped)
+        report = scaler.last_overflow
+        if report is not None:
+            self.overflow_ranks[step] = tuple(report.ranks)
+            self.reports[step] = str(report)
+
 
 SCALER_KWARGS: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 2}
 
@@ -107,12 +116,7 @@ def train_sharded(
         opt.zero_grad(set_to_none=True)
         for i, p in enumerate(params):
             dist.broadcast(p.data, src=i % world)
-        trace.scales.append(scaler.get_scale())
-        trace.skipped.append(scaler.last_step_skipped)
-        report = scaler.last_overflow
-        if report is not None:
-            trace.overflow_ranks[step] = tuple(report.ranks)
-            trace.reports[step] = str(report)
+        trace.record(scaler, step)
     trace.params = [p.detach().clone() for p in params]
     trace.stats = scaler.stats
     return trace
@@ -177,11 +181,7 @@ def train_fsdp2(
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        trace.scales.append(scaler.get_scale())
-        trace.skipped.append(scaler.last_step_skipped)
-        report = scaler.last_overflow
-        if report is not None:
-            trace.overflow_ranks[step] = tuple(report.ranks)
+        trace.record(scaler, step)
     trace.params = [p.full_tensor().detach().clone() for p in params]  # type: ignore[attr-defined]
     return trace
 
@@ -219,11 +219,7 @@ def train_sharded_in_pair(rank: int, pair: dist.ProcessGroup) -> Trace:
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        trace.scales.append(scaler.get_scale())
-        trace.skipped.append(scaler.last_step_skipped)
-        report = scaler.last_overflow
-        if report is not None:
-            trace.overflow_ranks[step] = tuple(report.ranks)
+        trace.record(scaler, step)
     return trace
 
 
