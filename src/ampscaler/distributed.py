@@ -33,6 +33,7 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,6 +81,15 @@ def _require_group(group: object) -> dist.ProcessGroup:
     return group
 
 
+def _dtensor_type() -> type[Any] | None:
+    """DTensor's class once torch has imported it; before that no gradient can be one."""
+    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):  # torch >= 2.5, 2.4
+        found = getattr(sys.modules.get(module), "DTensor", None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
 def local_shards(groups: GradGroups) -> GradGroups:
     """``groups`` with every DTensor gradient (FSDP2, tensor parallel) replaced by its local shard.
 
@@ -88,15 +98,13 @@ def local_shards(groups: GradGroups) -> GradGroups:
     synchronously over the mesh of the first gradient in each group; the process group's single
     asynchronous reduction takes its place.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.4 kept DTensor in a private module
-        from torch.distributed._tensor import DTensor
-
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return groups
     with torch.no_grad():
         return {
             device: {
-                dtype: [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+                dtype: [g.to_local() if isinstance(g, dtensor) else g for g in grads]
                 for dtype, grads in per_dtype.items()
             }
             for device, per_dtype in groups.items()

@@ -124,7 +124,10 @@ class GradScaler:
             hold different gradients (FSDP, ZeRO, tensor or pipeline parallelism); not with
             DDP, whose gradients are already all-reduced. Construct the scaler after
             ``init_process_group``, with the same arguments on every rank, and call its methods
-            in the same order on every rank. See ``docs/distributed.md``.
+            in the same order on every rank. Costs one asynchronous all_reduce per optimizer
+            and iteration, plus host syncs at the first step (the ranks' settings are compared)
+            and on skipped steps (the ranks that overflowed are gathered for the report). See
+            ``docs/distributed.md``.
 
     Raises:
         InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument;
