@@ -252,7 +252,7 @@ SCENARIOS: dict[str, Callable[[int, int], Any]] = {
         init_scale=lambda rank: 1024.0 if rank == 1 else 65536.0,
     ),
     "mismatch_hysteresis": lambda r, w: config_error(
-        r, w, hysteresis=lambda rank: 2 if rank == 3 else 1
+        r, w, hysteresis=lambda rank: 2 if rank == 3 else 1, dynamic=lambda rank: rank != 2
     ),
     "sgd_four": lambda r, w: train_sharded(
         r, w, optimizer="sgd", inject={1: [0, 2], 3: [1]}, group=dist.group.WORLD

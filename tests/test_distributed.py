@@ -155,6 +155,7 @@ def test_differing_settings_are_named_on_every_rank_at_the_first_step(
     for rank in range(4):
         message = four_ranks[rank]["mismatch_hysteresis"]
         assert "hysteresis is 1 on ranks 0, 1, 2, 2 on rank 3" in message
+        assert "dynamic is True on ranks 0, 1, 3, False on rank 2" in message
         assert "growth_interval" not in message
 
 

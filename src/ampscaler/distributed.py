@@ -184,7 +184,12 @@ class RankAgreement:
             by_value.setdefault(value, []).append(self._global_ranks[group_rank])
         parts = []
         for value, ranks in by_value.items():
-            shown = "None" if value == _NONE else str(int(value)) if integral else f"{value:g}"
+            if value == _NONE:
+                shown = "None"
+            elif isinstance(local, bool):
+                shown = str(bool(value))
+            else:
+                shown = str(int(value)) if integral else f"{value:g}"
             label = "rank" if len(ranks) == 1 else "ranks"
             parts.append(f"{shown} on {label} {', '.join(map(str, ranks))}")
         return f"{name} is {', '.join(parts)}"
