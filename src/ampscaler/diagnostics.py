@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .distributed import local_tensor
 from .grads import iter_params
 
 __all__ = [
@@ -100,6 +101,8 @@ class OverflowReport:
             backward produced a non-finite gradient; ``"<loss>"`` when the gradient arriving
             from the loss (or from code outside the watched modules) was already non-finite;
             ``None`` when not traced.
+        ranks: with a scaler ``process_group``, the global ranks whose gradients overflowed (the
+            whole group skipped the step with them); empty otherwise.
     """
 
     step: int
@@ -113,6 +116,13 @@ class OverflowReport:
     def __str__(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
         traced = f"; first non-finite in the backward of {self.origin}" if self.origin else ""
+        label = "rank" if len(self.ranks) == 1 else "ranks"
+        culprits = f"{label} {', '.join(map(str, self.ranks))}"
+        if self.ranks and self.rank not in self.ranks:
+            return (
+                f"step {self.step}{where}: skipped with the whole process group because of an "
+                f"overflow on {culprits} at scale {self.scale:g}; this rank's gradients were finite"
+            )
         if not self.names:
             return (
                 f"step {self.step}{where}: overflow at scale {self.scale:g}, but no gradient "
@@ -120,9 +130,10 @@ class OverflowReport:
             )
         shown = ", ".join(f"{n} ({self.kinds[n]})" for n in self.names[:10])
         more = f" and {len(self.names) - 10} more" if len(self.names) > 10 else ""
+        also = f" (overflow on {culprits})" if self.ranks else ""
         return (
             f"step {self.step}{where}: non-finite gradients at scale {self.scale:g} in "
-            f"{len(self.names)} parameter(s): {shown}{more}{traced}"
+            f"{len(self.names)} parameter(s): {shown}{more}{also}{traced}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -156,12 +167,14 @@ def iter_grad_values(
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """``(group_index, param_index, param, values)`` for every parameter with a gradient.
 
-    ``values`` is the gradient itself, or the values of a sparse gradient.
+    ``values`` is the gradient itself, its local shard for a DTensor, or the values of a
+    sparse gradient.
     """
     for optimizer in optimizers:
         for group_index, param_index, param in iter_params(optimizer):
             grad = param.grad
             if grad is not None:
+                grad = local_tensor(grad)
                 yield group_index, param_index, param, grad._values() if grad.is_sparse else grad
 
 

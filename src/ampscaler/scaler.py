@@ -23,6 +23,7 @@ import torch
 from . import counters as counters_
 from .counters import ScalerStats
 from .diagnostics import OverflowReport
+from .distributed import RankAgreement, local_shards
 from .errors import (
     InvalidConfigError,
     InvalidStateDictError,
@@ -54,6 +55,7 @@ class _OptimizerRecord:
     optimizer: torch.optim.Optimizer
     stage: OptState = OptState.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
 
 
 def _device_type(device: str | torch.device | None) -> str | None:
@@ -136,9 +138,22 @@ class GradScaler:
         trace_nonfinite: hook the leaf modules of watched models to name, in overflow
             reports, the first module whose backward produced inf/NaN (costs work on every
             backward; see docs/diagnostics.md).
+        process_group: a ``torch.distributed`` process group whose ranks must agree on overflow:
+            each optimizer's inf/NaN flag is max-reduced over it before the step decision, so
+            all its ranks step or skip together and keep identical scales. Needed when ranks
+            hold different gradients (FSDP, ZeRO, tensor or pipeline parallelism); not with
+            DDP, whose gradients are already all-reduced. Construct the scaler after
+            ``init_process_group``, with the same arguments on every rank, and call its methods
+            in the same order on every rank. Costs one asynchronous all_reduce per optimizer
+            and iteration, plus host syncs at the first step (the ranks' settings are compared)
+            and on skipped steps (the ranks that overflowed are gathered for the report). See
+            ``docs/distributed.md``.
 
     Raises:
-        InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument.
+        InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument;
+            a ``process_group`` while torch.distributed is not initialized, or one this rank is
+            not a member of; at the first step, ranks of ``process_group`` whose settings or
+            scale differ (naming the differences).
     """
 
     def __init__(
@@ -158,6 +173,7 @@ class GradScaler:
         history_size: int = 0,
         probe_every: int | None = None,
         trace_nonfinite: bool = False,
+        process_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self._policy = ScalePolicy(
             growth_factor=growth_factor,
@@ -197,6 +213,7 @@ class GradScaler:
             probe_every=probe_every,
             trace_nonfinite=trace_nonfinite,
         )
+        self._agreement = None if process_group is None else RankAgreement(process_group)
 
     # ------------------------------------------------------------------ state plumbing
 
@@ -345,8 +362,37 @@ class GradScaler:
         inv_scale = state.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
         groups = group_grads(optimizer, allow_fp16=False)
+        if self._agreement is not None:
+            groups = local_shards(groups)
         record.found_inf_per_device = check_and_unscale_(groups, inv_scale, found_inf)
+        self._agree(record, state)
         record.stage = OptState.UNSCALED
+
+    def _agree(self, record: _OptimizerRecord, state: ScaleState) -> None:
+        """With a process group: start max-reducing ``record``'s flag over it (no host sync).
+
+        A rank whose optimizer holds no gradients takes part with a zero flag. The first call
+        also checks that every rank has the same settings (a host sync, once).
+        """
+        agreement = self._agreement
+        if agreement is None:
+            return
+        device = state.scale.device
+        if not agreement.checked:
+            agreement.check_settings(
+                {
+                    **dataclasses.asdict(self._policy),
+                    "max_consecutive_skips": self._max_consecutive_skips,
+                    **state._asdict(),
+                }
+            )
+        local = (
+            self._combined_found_inf(record, device)
+            if record.found_inf_per_device
+            else torch.zeros((), dtype=torch.float32, device=device)
+        )
+        record.local_found_inf = local
+        record.found_inf_per_device = {device: agreement.launch(local)}
 
     def _combined_found_inf(self, record: _OptimizerRecord, device: torch.device) -> torch.Tensor:
         flags = [f.to(device, non_blocking=True) for f in record.found_inf_per_device.values()]
@@ -394,12 +440,18 @@ class GradScaler:
             return self._fused_step(optimizer, record, state, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
+        if self._agreement is not None:
+            self._agreement.settle()  # the decision below needs the agreed flag
         found_inf = self._combined_found_inf(record, state.scale.device)
         skipped = bool(found_inf.item())
         self._last_found_inf = skipped
         record.stage = OptState.STEPPED
         self._monitor.note_step(optimizer, skipped, state.scale, self._counters)
         if skipped:
+            if self._agreement is not None and record.local_found_inf is not None:
+                # Every rank skipped together; name the ranks that overflowed (a collective).
+                ranks = self._agreement.ranks_with_overflow(record.local_found_inf)
+                self._monitor.note_ranks(ranks)
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -418,10 +470,15 @@ class GradScaler:
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
             groups = group_grads(optimizer, allow_fp16=True)
+            if self._agreement is not None:
+                groups = local_shards(groups)
             record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
+            self._agree(record, state)
             grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
+        if self._agreement is not None:
+            self._agreement.settle()  # the kernel must see the agreed flag
         if record.found_inf_per_device:
             found_inf = self._combined_found_inf(record, state.scale.device)
         else:
@@ -464,6 +521,8 @@ class GradScaler:
         if not self._enabled:
             return
         state = self._require_state("update")
+        if self._agreement is not None:
+            self._agreement.settle()
         found_infs = [
             flag.to(state.scale.device, non_blocking=True)
             for record in self._per_optimizer.values()

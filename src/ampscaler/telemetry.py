@@ -16,6 +16,7 @@ here and never waits for the device.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections import deque
@@ -209,6 +210,12 @@ class Monitor:
             step = 0 if counters is None else int(counters[0].item())
             events = None if self._tracer is None else self._tracer.events
             current.reports.append(self._localize([optimizer], step, float(scale.item()), events))
+
+    def note_ranks(self, ranks: tuple[int, ...]) -> None:
+        """Add the ranks that overflowed to the report of the step just skipped."""
+        reports = self._current.reports
+        if reports:
+            reports[-1] = dataclasses.replace(reports[-1], ranks=ranks)
 
     def after_update(
         self,
