@@ -1,0 +1,268 @@
+"""Training one arm of the demo: fp32, fp16 autocast alone, or fp16 autocast with a loss scaler.
+
+Every arm starts from the same weights and sees the same batches in the same order (both come from
+``DemoConfig.seed``), uses Adam with a cosine learning-rate decay, and runs on the CPU. The only
+differences between arms are whether the forward pass runs under fp16 autocast and whether the
+loss goes through a scaler before ``backward()``.
+
+Example::
+
+    from ampscaler.demo import DemoConfig, standard_arms, train_arm
+
+    for arm in standard_arms():                  # fp32, fp16_no_scaling, fp16_ampscaler
+        result = train_arm(arm, DemoConfig(steps=300))
+        print(arm.name, result.final_loss, result.skipped_steps, result.final_scale)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ampscaler.demo.model import TaskSpec, batches, build_student
+from ampscaler.demo.underflow import UnderflowProbe, UnderflowStats
+
+FP32 = "fp32"
+FP16_NO_SCALING = "fp16_no_scaling"
+FP16_AMPSCALER = "fp16_ampscaler"
+
+
+class LossScaler(Protocol):
+    """What the demo needs from a loss scaler: the torch.amp.GradScaler interface.
+
+    If the scaler also has a ``last_step_skipped`` attribute (as ampscaler's does), it is used to
+    tell skipped steps; otherwise a step counts as skipped when the scale went down in ``update()``,
+    which for torch.amp.GradScaler happens exactly on the steps it skipped.
+    """
+
+    def scale(self, outputs: Tensor) -> Tensor: ...
+
+    def step(self, optimizer: torch.optim.Optimizer) -> object: ...
+
+    def update(self) -> None: ...
+
+    def get_scale(self) -> float: ...
+
+
+ScalerFactory = Callable[[], LossScaler]
+"""Makes a fresh scaler for one arm, e.g. ``lambda: ampscaler.GradScaler("cpu")``."""
+
+
+def torch_grad_scaler() -> LossScaler:
+    """``torch.amp.GradScaler("cpu")``, defaults: initial scale 2**16, growth every 2000 steps."""
+    return torch.amp.GradScaler("cpu")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training: a name, fp16 autocast on or off, and an optional scaler factory."""
+
+    name: str
+    fp16: bool
+    scaler_factory: ScalerFactory | None = None
+
+
+def standard_arms(scaler_factory: ScalerFactory = torch_grad_scaler) -> tuple[Arm, Arm, Arm]:
+    """The demo's three arms: fp32, fp16 without scaling, and fp16 with ``scaler_factory``'s scaler.
+
+    The default factory is torch's GradScaler; pass one that makes ``ampscaler.GradScaler``.
+    """
+    return (
+        Arm(FP32, fp16=False),
+        Arm(FP16_NO_SCALING, fp16=True),
+        Arm(FP16_AMPSCALER, fp16=True, scaler_factory=scaler_factory),
+    )
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Settings of one demo run; the defaults are the documented demo.
+
+    Attributes:
+        steps: optimizer steps per arm.
+        lr: Adam's peak learning rate, decayed to 0 over ``steps`` along a half cosine.
+        seed: draws the initial weights, the teacher and the batches.
+        probe_every: measure activation-gradient underflow every this many steps (from step 0);
+            ``None`` turns the probe off. Each probe costs one extra fp32 forward and backward.
+        task: sizes of the model, data and batch.
+    """
+
+    steps: int = 300
+    lr: float = 3e-3
+    seed: int = 0
+    probe_every: int | None = 25
+    task: TaskSpec = field(default_factory=TaskSpec)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"DemoConfig.steps must be at least 1, got {self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"DemoConfig.lr must be positive, got {self.lr}")
+        if self.probe_every is not None and self.probe_every < 1:
+            raise ValueError(
+                f"DemoConfig.probe_every must be at least 1 or None, got {self.probe_every}"
+            )
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step: its loss (before scaling), whether it was skipped, the scale it used."""
+
+    step: int
+    loss: float
+    skipped: bool
+    scale: float
+    lr: float
+
+
+StepCallback = Callable[[StepRecord], None]
+"""Called after every step, e.g. to advance a progress bar or write a line of a log."""
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """What one arm's training produced.
+
+    Attributes:
+        name: the arm's name.
+        losses: the training loss of every step, before any scaling.
+        skipped: per step, whether the scaler skipped the optimizer step (always False without one).
+        scales: per step, the loss scale that step's backward used (1.0 without a scaler).
+        final_loss: mean of ``losses`` over the last 10% of steps.
+        final_scale: the scaler's scale after the last update (1.0 without a scaler).
+        underflow: activation-gradient underflow counts, or None when the probe was off.
+        seconds: wall-clock time of the training loop, probes included.
+    """
+
+    name: str
+    losses: list[float]
+    skipped: list[bool]
+    scales: list[float]
+    final_loss: float
+    final_scale: float
+    underflow: UnderflowStats | None
+    seconds: float
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many optimizer steps the scaler skipped."""
+        return sum(self.skipped)
+
+
+def cosine_lr(step: int, steps: int, peak: float) -> float:
+    """Learning rate at ``step`` of ``steps``: ``peak`` at step 0, down to 0 along a half cosine."""
+    return peak * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+
+def tail_mean(values: Sequence[float], fraction: float = 0.1) -> float:
+    """Mean of the last ``fraction`` of ``values`` (at least one value)."""
+    if not values:
+        raise ValueError("tail_mean needs at least one value")
+    count = max(1, round(len(values) * fraction))
+    return sum(values[-count:]) / count
+
+
+def compute_loss(model: nn.Module, x: Tensor, y: Tensor, *, fp16: bool) -> Tensor:
+    """Mean squared error of ``model(x)`` against ``y``, optionally under CPU fp16 autocast.
+
+    Under autocast the linear layers run in fp16 (so do their outputs' gradients in backward) and
+    the loss itself is computed in fp32, as autocast does for ``mse_loss``.
+    """
+    with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+        return F.mse_loss(model(x), y)
+
+
+class _ArmTrainer:
+    """The state of one arm while it trains; ``step`` runs one batch."""
+
+    def __init__(self, arm: Arm, config: DemoConfig) -> None:
+        self.arm = arm
+        self.config = config
+        self.model = build_student(config.task, config.seed)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        self.scaler = arm.scaler_factory() if arm.scaler_factory is not None else None
+        self.probe = UnderflowProbe(self.model) if config.probe_every is not None else None
+
+    def step(self, index: int, x: Tensor, y: Tensor) -> StepRecord:
+        """Train on one batch and say what happened."""
+        lr = cosine_lr(index, self.config.steps, self.config.lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        every = self.config.probe_every
+        probing = self.probe is not None and every is not None and index % every == 0
+        loss = self._probed_backward(x, y) if probing else self._backward(x, y)
+        skipped, scale = self._optimizer_step()
+        return StepRecord(step=index, loss=loss, skipped=skipped, scale=scale, lr=lr)
+
+    def final_scale(self) -> float:
+        """The scaler's current scale, 1.0 without a scaler."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
+    def _backward(self, x: Tensor, y: Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = compute_loss(self.model, x, y, fp16=self.arm.fp16)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return float(loss.item())
+
+    def _probed_backward(self, x: Tensor, y: Tensor) -> float:
+        """``_backward`` with the activation gradients captured, after an fp32 reference pass."""
+        assert self.probe is not None
+        reference: dict[str, Tensor] | None = None
+        if self.arm.fp16:
+            self.optimizer.zero_grad(set_to_none=True)
+            with self.probe.capture() as reference:
+                compute_loss(self.model, x, y, fp16=False).backward()
+        with self.probe.capture() as observed:
+            loss = self._backward(x, y)
+        self.probe.record(observed, reference if reference is not None else observed)
+        return loss
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """Step (through the scaler if any); returns (skipped, scale used by this step)."""
+        if self.scaler is None:
+            self.optimizer.step()
+            return False, 1.0
+        scale = float(self.scaler.get_scale())
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        flag = getattr(self.scaler, "last_step_skipped", None)
+        skipped = bool(flag) if flag is not None else float(self.scaler.get_scale()) < scale
+        return skipped, scale
+
+
+def train_arm(
+    arm: Arm, config: DemoConfig | None = None, on_step: StepCallback | None = None
+) -> ArmResult:
+    """Train the demo model one way (``arm``) for ``config.steps`` steps and report what happened.
+
+    Syncs with the device every step (the loss is read with ``.item()``); the demo runs on the CPU.
+    """
+    config = config if config is not None else DemoConfig()
+    trainer = _ArmTrainer(arm, config)
+    records: list[StepRecord] = []
+    start = time.perf_counter()
+    stream = batches(config.task, config.seed)
+    for index in range(config.steps):
+        x, y = next(stream)
+        record = trainer.step(index, x, y)
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    losses = [r.loss for r in records]
+    return ArmResult(
+        name=arm.name,
+        losses=losses,
+        skipped=[r.skipped for r in records],
+        scales=[r.scale for r in records],
+        final_loss=tail_mean(losses),
+        final_scale=trainer.final_scale(),
+        underflow=trainer.probe.stats if trainer.probe is not None else None,
+        seconds=time.perf_counter() - start,
+    )
