@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import LogFormatError, SinkError
 from .records import read_log
@@ -25,8 +27,30 @@ __all__ = ["COMMANDS", "CommandError", "build_parser", "main"]
 
 USAGE_ERROR = 2
 
+
 class CommandError(Exception):
     """A user mistake that a command reports as one line (exit status 2)."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see --help)\n")
+
+
+if TYPE_CHECKING:
+    _Commands = argparse._SubParsersAction[_OneLineParser]
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -55,7 +79,7 @@ def output_folder(path: Path) -> Path:
 # ---------------------------------------------------------------------- report
 
 
-def _add_report(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_report(commands: _Commands) -> None:
     parser = commands.add_parser(
         "report",
         help="plot a step log written by ampscaler.JsonlSink",
@@ -104,16 +128,83 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- demo
+
+
+def _add_demo(commands: _Commands) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="train a small model three ways and show what loss scaling rescues",
+        description=(
+            "Train one small embedded model three ways with identical initialisation and data: "
+            "fp32, fp16 autocast without loss scaling, and fp16 autocast with ampscaler's "
+            "GradScaler. Prints a summary table and writes summary.json, steps.jsonl, loss.png "
+            "and scale.png."
+        ),
+    )
+    parser.add_argument(
+        "--steps", type=_positive_int, default=300, metavar="N", help="steps per arm (300)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="output folder (default: a new ampscaler-demo-TIMESTAMP folder here)",
+    )
+    parser.add_argument(
+        "--seed", type=_non_negative_int, default=0, metavar="S", help="random seed (0)"
+    )
+    parser.set_defaults(run=_run_demo)
+
+
+def _new_demo_folder() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate = Path(f"ampscaler-demo-{stamp}")
+    suffix = 1
+    while candidate.exists():
+        suffix += 1
+        candidate = Path(f"ampscaler-demo-{stamp}-{suffix}")
+    return candidate
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    try:
+        from .demo import DemoConfig
+        from .demo.run import run_demo, summary_table
+    except ImportError as error:
+        raise CommandError(
+            f"demo needs matplotlib and tqdm ({error}); pip install 'ampscaler[demo]'."
+        ) from error
+    out = output_folder(args.out if args.out is not None else _new_demo_folder())
+    config = DemoConfig(steps=args.steps, seed=args.seed)
+    print(f"Training the demo model three ways, {config.steps} steps each ...", flush=True)
+    try:
+        outcome = run_demo(config, out)
+    except OSError as error:
+        raise CommandError(f"cannot write into {out} ({error.strerror or error}).") from error
+    print()
+    print(summary_table(outcome))
+    print()
+    print(
+        f"fp16 without scaling ends {outcome.unscaled_over_scaled:.1f}x above fp16 with "
+        f"ampscaler; ampscaler ends {outcome.scaled_vs_fp32:+.1%} from fp32."
+    )
+    print(f"Wrote {', '.join(path.name for path in outcome.files)} to {out}/")
+    return 0
+
+
 # ---------------------------------------------------------------------- entry point
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
+COMMANDS: tuple[Callable[[_Commands], None], ...] = (
+    _add_demo,
     _add_report,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every command of :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="ampscaler",
         description="ampscaler: dynamic loss scaling for fp16 training in PyTorch.",
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .probe import ProbeResult
 from .records import StepRecord
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
+    "ScaleSample",
     "default_window",
     "plot_modules",
     "plot_probe",
@@ -54,7 +55,20 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
-def plot_scale(records: Sequence[StepRecord], path: Path) -> Path:
+class ScaleSample(Protocol):
+    """What :func:`plot_scale` reads of a step: a :class:`~ampscaler.StepRecord` has it."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def skipped(self) -> bool: ...
+
+
+def plot_scale(records: Sequence[ScaleSample], path: Path) -> Path:
     """The loss scale each step used (log axis), skipped steps marked with crosses."""
     figure = _figure()
     axes = figure.add_subplot()

@@ -208,7 +208,8 @@ class _ArmTrainer:
     def _backward(self, x: Tensor, y: Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         loss = compute_loss(self.model, x, y, fp16=self.arm.fp16)
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward()  # type: ignore[no-untyped-call]
         return float(loss.item())
 
     def _probed_backward(self, x: Tensor, y: Tensor) -> float:
@@ -218,7 +219,7 @@ class _ArmTrainer:
         if self.arm.fp16:
             self.optimizer.zero_grad(set_to_none=True)
             with self.probe.capture() as reference:
-                compute_loss(self.model, x, y, fp16=False).backward()
+                compute_loss(self.model, x, y, fp16=False).backward()  # type: ignore[no-untyped-call]
         with self.probe.capture() as observed:
             loss = self._backward(x, y)
         self.probe.record(observed, reference if reference is not None else observed)
