@@ -5,7 +5,8 @@ The same model, from the same initial weights and on the same batches, is traine
 with the loss multiplied by a dynamic loss scale before ``backward()``). With the default settings
 the unscaled arm ends with a loss several times higher (4x to 13x over seeds 0 to 7) and the scaled
 arm ends within 8% of fp32 (within 0.1% with torch's growth interval of 2000; the demo grows the
-scale every 10 steps so that it visibly overflows, and its few skipped steps cost a little). Nothing multiplies or shrinks the loss behind the scenes: the
+scale every 10 steps so that it visibly overflows, and its few skipped steps cost a little).
+Nothing multiplies or shrinks the loss behind the scenes: the
 unscaled arm fails because the model's own gradients are too small for fp16.
 
 The task. A multilayer perceptron (32 inputs, three hidden layers of 32 with tanh, 16 outputs)
