@@ -29,7 +29,8 @@ from .errors import (
     PersistentOverflowError,
     ScalerUsageError,
 )
-from .grads import check_and_unscale_, group_grads
+from .gradplan import GradPlanner
+from .grads import check_and_unscale_
 from .policy import ScalePolicy, ScaleState, adjust, initial_state
 
 __all__ = ["GradScaler", "OptState"]
@@ -168,7 +169,7 @@ class GradScaler:
             self._enabled = False
         # Device state, created lazily on the device of the first scaled tensor.
         self._state: ScaleState | None = None
-        self._counters: torch.Tensor | None = None
+        self._counters: counters_.StepCounters | None = None
         # What the device state starts from when it is created (or re-created after unpickling).
         self._init_growth_tracker = 0
         self._init_hysteresis_left = hysteresis
@@ -177,6 +178,7 @@ class GradScaler:
         self._last_found_inf: torch.Tensor | bool | None = None
         self._last_overflow: OverflowReport | None = None
         self._names = ParamNames()
+        self._planner = GradPlanner()
 
     # ------------------------------------------------------------------ state plumbing
 
@@ -188,7 +190,7 @@ class GradScaler:
             growth_tracker=self._init_growth_tracker,
             hysteresis_left=self._init_hysteresis_left,
         )
-        self._counters = counters_.new_counters(device, self._init_stats)
+        self._counters = counters_.StepCounters(device, self._init_stats)
         if self._device is None:
             self._device = device.type
         return self._state
@@ -322,7 +324,7 @@ class GradScaler:
         self._prepare_grads(optimizer)
         inv_scale = state.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-        groups = group_grads(optimizer, allow_fp16=False)
+        groups = self._planner.groups(optimizer, allow_fp16=False)
         record.found_inf_per_device = check_and_unscale_(groups, inv_scale, found_inf)
         record.stage = OptState.UNSCALED
 
@@ -394,7 +396,7 @@ class GradScaler:
             self._prepare_grads(optimizer)
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
-            groups = group_grads(optimizer, allow_fp16=True)
+            groups = self._planner.groups(optimizer, allow_fp16=True)
             record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
             if not record.found_inf_per_device:
                 record.found_inf_per_device = {found_inf.device: found_inf}
@@ -417,7 +419,7 @@ class GradScaler:
         self, optimizers: Iterable[torch.optim.Optimizer], state: ScaleState
     ) -> None:
         counters = self._counters
-        step = 0 if counters is None else int(counters[0].item())
+        step = 0 if counters is None else counters.read().steps
         self._last_overflow = locate_overflow(
             optimizers, self._names, step=step, scale=float(state.scale.item())
         )
@@ -465,7 +467,7 @@ class GradScaler:
         else:
             new_state = adjust(self._policy, state, found_inf)
         if found_inf is not None and self._counters is not None:
-            counters_.record(self._counters, found_inf, state.scale, new_state.scale)
+            self._counters.record(found_inf, state.scale, new_state.scale)
         self._state = new_state
         stepped = [record.optimizer for record in self._per_optimizer.values()]
         self._per_optimizer = {}
@@ -491,7 +493,7 @@ class GradScaler:
         self, optimizers: list[torch.optim.Optimizer], old_state: ScaleState
     ) -> None:
         assert self._counters is not None and self._max_consecutive_skips is not None
-        in_a_row = int(self._counters[counters_.FIELDS.index("consecutive_skips")].item())
+        in_a_row = self._counters.read().consecutive_skips
         if in_a_row < self._max_consecutive_skips:
             return
         report = self._last_overflow
@@ -590,7 +592,7 @@ class GradScaler:
         """
         if self._counters is None:
             return self._init_stats
-        return ScalerStats.from_tensor(self._counters)
+        return self._counters.read()
 
     def watch(self, *models: torch.nn.Module) -> None:
         """Learn parameter names from ``models`` so overflow reports can name them.
