@@ -169,16 +169,16 @@ class GradScaler:
             self._enabled = False
         # Device state, created lazily on the device of the first scaled tensor.
         self._state: ScaleState | None = None
-        self._counters: counters_.StepCounters | None = None
+        self._counters: torch.Tensor | None = None
         # What the device state starts from when it is created (or re-created after unpickling).
         self._init_growth_tracker = 0
         self._init_hysteresis_left = hysteresis
         self._init_stats = ScalerStats()
         self._per_optimizer: dict[int, _OptimizerRecord] = {}
+        self._planner = GradPlanner()
         self._last_found_inf: torch.Tensor | bool | None = None
         self._last_overflow: OverflowReport | None = None
         self._names = ParamNames()
-        self._planner = GradPlanner()
 
     # ------------------------------------------------------------------ state plumbing
 
@@ -190,7 +190,7 @@ class GradScaler:
             growth_tracker=self._init_growth_tracker,
             hysteresis_left=self._init_hysteresis_left,
         )
-        self._counters = counters_.StepCounters(device, self._init_stats)
+        self._counters = counters_.new_counters(device, self._init_stats)
         if self._device is None:
             self._device = device.type
         return self._state
@@ -419,7 +419,7 @@ class GradScaler:
         self, optimizers: Iterable[torch.optim.Optimizer], state: ScaleState
     ) -> None:
         counters = self._counters
-        step = 0 if counters is None else counters.read().steps
+        step = 0 if counters is None else int(counters[0].item())
         self._last_overflow = locate_overflow(
             optimizers, self._names, step=step, scale=float(state.scale.item())
         )
@@ -467,7 +467,7 @@ class GradScaler:
         else:
             new_state = adjust(self._policy, state, found_inf)
         if found_inf is not None and self._counters is not None:
-            self._counters.record(found_inf, state.scale, new_state.scale)
+            counters_.record(self._counters, found_inf, state.scale, new_state.scale)
         self._state = new_state
         stepped = [record.optimizer for record in self._per_optimizer.values()]
         self._per_optimizer = {}
@@ -493,7 +493,7 @@ class GradScaler:
         self, optimizers: list[torch.optim.Optimizer], old_state: ScaleState
     ) -> None:
         assert self._counters is not None and self._max_consecutive_skips is not None
-        in_a_row = self._counters.read().consecutive_skips
+        in_a_row = int(self._counters[counters_.FIELDS.index("consecutive_skips")].item())
         if in_a_row < self._max_consecutive_skips:
             return
         report = self._last_overflow
@@ -592,7 +592,7 @@ class GradScaler:
         """
         if self._counters is None:
             return self._init_stats
-        return self._counters.read()
+        return ScalerStats.from_tensor(self._counters)
 
     def watch(self, *models: torch.nn.Module) -> None:
         """Learn parameter names from ``models`` so overflow reports can name them.
