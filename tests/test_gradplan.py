@@ -288,3 +288,18 @@ def test_scaler_with_a_plan_copies_and_pickles_without_it() -> None:
     for clone in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
         assert len(clone._planner._entries) == 0
         assert clone.get_scale() == scaler.get_scale()
+
+
+def test_tensor_subclass_gradients_get_no_plan() -> None:
+    class Tagged(torch.Tensor):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    for param in params:
+        param.grad = torch.Tensor._make_subclass(Tagged, torch.ones(3))
+    opt = torch.optim.SGD(params, lr=0.1)
+    planner = GradPlanner()
+    for _ in range(3):
+        groups = planner.groups(opt, allow_fp16=False)
+    assert planner._entries[opt].plan is None
+    assert groups[torch.device("cpu")][torch.float32] == [p.grad for p in params]

@@ -9,17 +9,22 @@ built once the same gradient tensors have been seen on consecutive steps:
 - the gradients of each device and dtype are moved into one flat buffer and every
   ``param.grad`` becomes a view of it (same values, shape and dtype), so the check and the
   unscale run once per buffer instead of once per tensor;
-- gradients that cannot be moved (views of other tensors, tensor subclasses, non-contiguous,
-  requiring grad, a dtype or shape other than their parameter's) stay separate tensors.
+- gradients that cannot be moved (views of other tensors, non-contiguous, requiring grad, a
+  dtype or shape other than their parameter's) stay separate tensors.
 
 Every step the plan is validated against the optimizer in one pass: the same number of
 parameters, each ``.grad`` the very tensor object the plan holds, at the same data pointer.
 Anything else (a new parameter group, a gradient set to ``None`` or replaced, ``.data``
 reassigned) drops the plan and the gradients are grouped afresh; a plan is never used stale.
-Loops that replace their gradients every step (``zero_grad()``'s default ``set_to_none=True``)
-never get a plan. Sparse gradients are never planned. Each dropped plan doubles the number of
-unchanged steps needed before the next one is built, so a loop that keeps changing its
-gradients pays for at most a logarithmic number of copies.
+Optimizers with sparse gradients or with tensor-subclass gradients (``DTensor``) get no plan.
+
+Loops that replace their gradients every step (``zero_grad()``'s default
+``set_to_none=True``) are recognized by the gradients' ids and get no plan; when the ids of
+freed gradients happen to be reused, a plan may be built and is dropped on the next step.
+Each dropped plan doubles the number of unchanged steps needed before the next one, so such
+loops pay for a logarithmic number of copies, and a dropped plan's buffer is freed with it.
+While a plan is kept across ``zero_grad(set_to_none=True)``, until the next check, its buffer
+holds gradient memory the loop would otherwise have released.
 
 Example:
     >>> import torch
@@ -96,8 +101,7 @@ class _Entry:
 def _movable(param: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``grad`` can become a view of a flat buffer without anyone noticing but ``is``."""
     return (
-        type(grad) is torch.Tensor
-        and grad._base is None
+        grad._base is None
         and not grad.requires_grad
         and grad.is_contiguous()
         and grad.numel() > 0
@@ -128,7 +132,8 @@ def _flatten_(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
 def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan | None:
     """Group ``optimizer``'s gradients once, moving the movable ones into flat buffers.
 
-    Returns ``None`` (touching nothing) when a gradient is sparse.
+    Returns ``None`` (touching nothing) when a gradient is sparse, a tensor subclass (such as a
+    ``DTensor``), or has no data pointer to validate the plan by.
 
     Raises:
         TypeError: a parameter that is not a tensor.
@@ -136,7 +141,12 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
     """
     params = [param for _, _, param in iter_params(optimizer)]
     present = [(param, param.grad) for param in params if param.grad is not None]
-    if any(grad.is_sparse for _, grad in present):
+    if any(type(grad) is not torch.Tensor or grad.is_sparse for _, grad in present):
+        return None
+    try:
+        for _, grad in present:
+            grad.data_ptr()
+    except RuntimeError:  # no storage (e.g. a lazy or XLA tensor)
         return None
     if not allow_fp16 and any(grad.dtype == torch.float16 for _, grad in present):
         raise ValueError(FP16_GRADS_MESSAGE)
