@@ -53,6 +53,11 @@ class _OptimizerRecord:
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
 
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (non-blocking), without a dispatch when it is there already."""
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
+
+
 def _device_type(device: str | torch.device | None) -> str | None:
     if device is None:
         return None
@@ -248,7 +253,7 @@ class GradScaler:
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         state = self._state if self._state is not None else self._create_state(device)
-        return state.scale.to(device=device, non_blocking=True)
+        return _on(state.scale, device)
 
     def _scale_nested(
         self, value: object, per_device: dict[torch.device, torch.Tensor]
@@ -329,7 +334,7 @@ class GradScaler:
         record.stage = OptState.UNSCALED
 
     def _combined_found_inf(self, record: _OptimizerRecord, device: torch.device) -> torch.Tensor:
-        flags = [f.to(device, non_blocking=True) for f in record.found_inf_per_device.values()]
+        flags = [_on(f, device) for f in record.found_inf_per_device.values()]
         if not flags:
             raise ScalerUsageError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
@@ -448,7 +453,7 @@ class GradScaler:
             return
         state = self._require_state("update")
         found_infs = [
-            flag.to(state.scale.device, non_blocking=True)
+            _on(flag, state.scale.device)
             for record in self._per_optimizer.values()
             for flag in record.found_inf_per_device.values()
         ]
