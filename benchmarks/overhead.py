@@ -22,10 +22,15 @@ With ``--fresh-grads`` the synthetic cases give every parameter a new gradient t
 each timed call, as ``zero_grad(set_to_none=True)`` followed by ``backward()`` does; by
 default the gradient tensors are kept and refilled in place (``set_to_none=False``).
 
+On a machine shared with other work, elapsed time includes the time this process waits for a
+core; ``--threads 1 --clock cpu`` measures this thread's CPU time instead, which leaves the
+waiting out (memory bandwidth is still shared).
+
 Run from the repository root so that this checkout's code is measured::
 
-    PYTHONPATH=src python benchmarks/overhead.py            # full run
-    PYTHONPATH=src python benchmarks/overhead.py --quick    # a few rounds, for a smoke test
+    PYTHONPATH=src python benchmarks/overhead.py                          # full run
+    PYTHONPATH=src python benchmarks/overhead.py --quick                  # smoke test
+    PYTHONPATH=src python benchmarks/overhead.py --threads 1 --clock cpu  # on a busy machine
 """
 
 from __future__ import annotations
@@ -271,12 +276,24 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one, else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def describe_machine(device: torch.device) -> str:
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     where = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
-        else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        else f"{cpu_name()}, {os.cpu_count()} cores"
     )
     return (
         f"device: {device} ({where}); torch {torch.__version__}, "
