@@ -24,6 +24,7 @@ import torch
 
 import ampscaler
 from ampscaler.gradplan import GradPlanner
+from twins import Trace, assert_same_trace
 
 STEPS = 8
 
@@ -46,12 +47,8 @@ Event = Callable[[Net, torch.optim.Optimizer], None]
 
 
 @dataclass
-class Trace:
-    params: list[list[torch.Tensor]] = field(default_factory=list)
-    scales: list[float] = field(default_factory=list)
-    trackers: list[int] = field(default_factory=list)
-    returns: list[Any] = field(default_factory=list)
-    planned: list[bool] = field(default_factory=list)
+class PlanTrace(Trace):
+    planned: list[bool] = field(default_factory=list)  # a plan was in use after the step
 
 
 def make_optimizer(params: list[torch.nn.Parameter], kind: str) -> torch.optim.Optimizer:
@@ -69,7 +66,7 @@ def run(
     poison_steps: tuple[int, ...] = (3,),
     set_to_none: Callable[[int], bool] = lambda step: False,
     train_head: bool = True,
-) -> Trace:
+) -> PlanTrace:
     """Train ``Net`` for STEPS steps; events run after backward / after zero_grad."""
     torch.manual_seed(0)
     model = Net()
@@ -77,7 +74,7 @@ def run(
     opt = make_optimizer(params, kind)
     scaler = factory("cpu", init_scale=2.0**10, growth_interval=2)
     gen = torch.Generator().manual_seed(1)
-    trace = Trace()
+    trace = PlanTrace()
     for step in range(STEPS):
         x = torch.randn(5, 6, generator=gen)
         y = torch.randn(5, generator=gen)
@@ -102,18 +99,9 @@ def run(
     return trace
 
 
-def assert_same(ours: Trace, theirs: Trace) -> None:
-    assert ours.scales == theirs.scales
-    assert ours.trackers == theirs.trackers
-    assert ours.returns == theirs.returns
-    for step, (mine, other) in enumerate(zip(ours.params, theirs.params, strict=True)):
-        for index, (a, b) in enumerate(zip(mine, other, strict=True)):
-            assert torch.equal(a, b), f"step {step} param {index}"
-
-
-def side_by_side(kind: str, **kwargs: Any) -> Trace:
+def side_by_side(kind: str, **kwargs: Any) -> PlanTrace:
     ours = run(ampscaler.GradScaler, kind, **kwargs)
-    assert_same(ours, run(torch.amp.GradScaler, kind, **kwargs))
+    assert_same_trace(ours, run(torch.amp.GradScaler, kind, **kwargs))
     return ours
 
 
