@@ -32,6 +32,8 @@ STEPS = 8
 class Net(torch.nn.Module):
     """A body trained from the start and a head that may join the optimizer later."""
 
+    held: list[torch.Tensor]  # gradients or views of them that a test keeps across steps
+
     def __init__(self) -> None:
         super().__init__()
         self.body = torch.nn.Sequential(
@@ -115,7 +117,7 @@ def test_kept_gradients_get_a_flat_plan_and_match_torch(kind: str) -> None:
     assert trace.scales[3] < trace.scales[2]  # the poisoned step was skipped with a plan
 
 
-def test_planned_gradients_are_views_of_one_buffer_with_their_values() -> None:
+def test_planned_gradients_move_into_one_buffer_and_stay_the_same_tensors() -> None:
     params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(3)]
     grads = [torch.full((2, 3), float(i)) for i in range(3)]
     for param, grad in zip(params, grads, strict=True):
@@ -126,9 +128,37 @@ def test_planned_gradients_are_views_of_one_buffer_with_their_values() -> None:
     assert first[torch.device("cpu")][torch.float32] == grads  # first sighting: no plan
     (flat,) = planner.groups(opt, allow_fp16=False)[torch.device("cpu")][torch.float32]
     assert flat.shape == (18,)
-    for param, grad in zip(params, grads, strict=True):
-        assert param.grad is not grad and param.grad._base is flat
-        assert param.grad.shape == (2, 3) and torch.equal(param.grad, grad)
+    for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        assert param.grad is grad and grad._base is None and grad.shape == (2, 3)
+        assert grad.data_ptr() == flat.data_ptr() + index * 6 * flat.element_size()
+        assert torch.equal(grad, torch.full((2, 3), float(index)))
+    flat.mul_(2.0)  # the buffer is the gradients' memory
+    assert torch.equal(params[2].grad, torch.full((2, 3), 4.0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradient_references_held_by_the_loop_stay_valid(kind: str) -> None:
+    def hold(model: Net, opt: torch.optim.Optimizer) -> None:
+        model.held = [p.grad for p in model.body.parameters()]
+
+    def halve_held(model: Net, opt: torch.optim.Optimizer) -> None:
+        for grad in model.held:  # edits through references taken before the plan moved them
+            grad.mul_(0.5)
+
+    trace = side_by_side(kind, before_step={0: hold, 5: halve_held, 6: halve_held})
+    assert trace.planned[4:] == [True] * (STEPS - 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_gradient_with_a_view_held_elsewhere_stays_put(kind: str) -> None:
+    def take_view(model: Net, opt: torch.optim.Optimizer) -> None:
+        model.held = [model.body[2].weight.grad.view(-1)]
+
+    def edit_view(model: Net, opt: torch.optim.Optimizer) -> None:
+        model.held[0].add_(1.0)
+
+    trace = side_by_side(kind, before_step={0: take_view, 5: edit_view})
+    assert trace.planned[1:] == [True] * (STEPS - 1)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -6,11 +6,12 @@ arithmetic. Many training loops keep the same gradient tensors from step to step
 (``zero_grad(set_to_none=False)``, accumulation in place). For those a :class:`GradPlan` is
 built once the same gradient tensors have been seen on consecutive steps:
 
-- the gradients of each device and dtype are moved into one flat buffer and every
-  ``param.grad`` becomes a view of it (same values, shape and dtype), so the check and the
-  unscale run once per buffer instead of once per tensor;
-- gradients that cannot be moved (views of other tensors, non-contiguous, requiring grad, a
-  dtype or shape other than their parameter's) stay separate tensors.
+- the gradients of each device and dtype are moved into one flat buffer, in place: each
+  gradient stays the same tensor object with the same values, shape and strides, only its
+  memory is now a slice of the buffer (``Tensor.set_``). References held elsewhere stay valid,
+  and the check and the unscale run once per buffer instead of once per tensor;
+- gradients whose memory others share (views of them, or they a view of something else),
+  non-contiguous ones, and ones requiring grad stay where they are, checked one by one.
 
 Every step the plan is validated against the optimizer in one pass: the same number of
 parameters, each ``.grad`` the very tensor object the plan holds, at the same data pointer.
@@ -36,10 +37,9 @@ Example:
     >>> planner = GradPlanner()
     >>> _ = planner.groups(opt, allow_fp16=False)   # first sighting: grouped afresh
     >>> groups = planner.groups(opt, allow_fp16=False)   # same tensors again: planned
-    >>> [t.shape for t in groups[torch.device("cpu")][torch.float32]]
-    [torch.Size([12])]
-    >>> params[0].grad._base is groups[torch.device("cpu")][torch.float32][0]
-    True
+    >>> (flat,) = groups[torch.device("cpu")][torch.float32]
+    >>> flat.shape, params[1].grad.data_ptr() - flat.data_ptr()   # the 2nd gradient's slice
+    (torch.Size([12]), 12)
 """
 
 from __future__ import annotations
@@ -98,34 +98,51 @@ class _Entry:
         self.patience *= 2
 
 
-def _movable(param: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether ``grad`` can become a view of a flat buffer without anyone noticing but ``is``."""
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_owners(grads: list[torch.Tensor]) -> list[bool]:
+    """For each gradient: whether no other tensor shares its storage (no views, no aliases).
+
+    Counted against a fresh tensor on the same device, since the count a storage shows
+    includes a reference the query itself may hold. All ``False`` where torch does not expose
+    storage use counts.
+    """
+    if _USE_COUNT is None or not grads:
+        return [False] * len(grads)
+    use_count = _USE_COUNT
+
+    def count(tensor: torch.Tensor) -> int:
+        return int(use_count(tensor.untyped_storage()._cdata))
+
+    probe = torch.empty(1, device=grads[0].device)  # alive while counted
+    baseline = count(probe)
+    return [count(grad) == baseline for grad in grads]
+
+
+def _movable(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` can move into a flat buffer, keeping its identity, shape and strides."""
     return (
         grad._base is None
         and not grad.requires_grad
         and grad.is_contiguous()
         and grad.numel() > 0
-        and param.is_leaf
-        and grad.dtype == param.dtype
-        and grad.shape == param.shape
-        and grad.device == param.device
     )
 
 
 @torch.no_grad()
-def _flatten_(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Copy the gradients of ``pairs`` into one new buffer and point each ``.grad`` into it."""
-    grads = [grad for _, grad in pairs]
-    flat = torch.empty(
-        sum(grad.numel() for grad in grads), dtype=grads[0].dtype, device=grads[0].device
-    )
-    views = [
-        piece.view(grad.shape)
-        for piece, grad in zip(flat.split([g.numel() for g in grads]), grads, strict=True)
-    ]
-    torch._foreach_copy_(views, grads)
-    for (param, _), view in zip(pairs, views, strict=True):
-        param.grad = view
+def _flatten_(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Move ``grads`` into one new buffer, in place: each tensor object keeps its values,
+    shape, strides and identity (``set_``), so references held elsewhere stay valid."""
+    sizes = [grad.numel() for grad in grads]
+    flat = torch.empty(sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
+    pieces = [p.view(g.shape) for p, g in zip(torch.split(flat, sizes), grads, strict=True)]
+    torch._foreach_copy_(pieces, grads)
+    storage = flat.untyped_storage()
+    offset = 0
+    for grad, size in zip(grads, sizes, strict=True):
+        grad.set_(storage, offset, grad.size(), grad.stride())
+        offset += size
     return flat
 
 
@@ -140,41 +157,33 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
         ValueError: a float16 gradient when ``allow_fp16`` is false (nothing is moved).
     """
     params = [param for _, _, param in iter_params(optimizer)]
-    present = [(param, param.grad) for param in params if param.grad is not None]
-    if any(type(grad) is not torch.Tensor or grad.is_sparse for _, grad in present):
+    present = [param.grad for param in params if param.grad is not None]
+    if any(type(grad) is not torch.Tensor or grad.is_sparse for grad in present):
         return None
     try:
-        for _, grad in present:
+        for grad in present:
             grad.data_ptr()
     except RuntimeError:  # no storage (e.g. a lazy or XLA tensor)
         return None
-    if not allow_fp16 and any(grad.dtype == torch.float16 for _, grad in present):
+    if not allow_fp16 and any(grad.dtype == torch.float16 for grad in present):
         raise ValueError(FP16_GRADS_MESSAGE)
-    distinct = len({id(grad) for _, grad in present}) == len(present)
-    movable: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    kept: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for param, grad in present:
-        key = (grad.device, grad.dtype)
-        if distinct and _movable(param, grad):
-            movable.setdefault(key, []).append((param, grad))
-        else:
-            kept.setdefault(key, []).append(grad)
+    distinct = len({id(grad) for grad in present}) == len(present)
+    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in present:
+        by_key.setdefault((grad.device, grad.dtype), []).append(grad)
     groups: GradGroups = {}
-    for key in [*movable, *(k for k in kept if k not in movable)]:
-        pairs = movable.get(key, [])
-        rest = kept.get(key, [])
-        if len(pairs) == 1:
-            rest = [pairs[0][1], *rest]
-        elif pairs:
-            rest = [_flatten_(pairs), *rest]
-        device, dtype = key
-        groups.setdefault(device, {})[dtype] = rest
-    grads = [param.grad for param in params]
-    members = [grad for grad in grads if grad is not None]
+    for (device, dtype), bucket in by_key.items():
+        alone = _sole_owners(bucket) if distinct else [False] * len(bucket)
+        movable = [g for g, sole in zip(bucket, alone, strict=True) if sole and _movable(g)]
+        if len(movable) > 1:
+            moved = {id(grad) for grad in movable}
+            kept = [grad for grad in bucket if id(grad) not in moved]
+            bucket = [_flatten_(movable), *kept]
+        groups.setdefault(device, {})[dtype] = bucket
     return GradPlan(
-        grads=grads,
-        members=members,
-        pointers=list(map(_DATA_PTR, members)),
+        grads=[param.grad for param in params],
+        members=present,
+        pointers=list(map(_DATA_PTR, present)),
         groups=groups,
         has_fp16=any(torch.float16 in per_dtype for per_dtype in groups.values()),
     )
