@@ -321,3 +321,24 @@ def test_tensor_subclass_gradients_get_no_plan() -> None:
         groups = planner.groups(opt, allow_fp16=False)
     assert planner._entries[opt].plan is None
     assert groups[torch.device("cpu")][torch.float32] == [p.grad for p in params]
+
+
+def test_after_a_change_the_gradients_move_into_one_new_buffer() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    for param in params:
+        param.grad = torch.ones(3)
+    opt = torch.optim.SGD(params, lr=0.1)
+    planner = GradPlanner()
+    planner.groups(opt, allow_fp16=False)
+    (old,) = planner.groups(opt, allow_fp16=False)[torch.device("cpu")][torch.float32]
+    old_memory = old.untyped_storage().data_ptr()
+    del old  # a reference to the buffer held here would keep the other two where they are
+    params[1].grad = torch.full((3,), 2.0)  # the other two still lie in the old buffer
+    shapes = []
+    for _ in range(4):  # dropped once, so re-planned after two unchanged sightings
+        groups = planner.groups(opt, allow_fp16=False)[torch.device("cpu")][torch.float32]
+        shapes.append([tuple(t.shape) for t in groups])
+    assert shapes == [[(3,)] * 3, [(3,)] * 3, [(9,)], [(9,)]]
+    (new,) = groups
+    assert new.untyped_storage().data_ptr() != old_memory
+    assert torch.equal(new, torch.tensor([1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -101,23 +102,23 @@ class _Entry:
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _sole_owners(grads: list[torch.Tensor]) -> list[bool]:
-    """For each gradient: whether no other tensor shares its storage (no views, no aliases).
+def _unshared(grads: list[torch.Tensor]) -> list[bool]:
+    """For each gradient: whether only gradients in ``grads`` use its storage (no views of it
+    elsewhere, no aliases), e.g. it owns its memory, or it lies in an earlier plan's buffer
+    together with others of ``grads`` and nothing else.
 
     Counted against a fresh tensor on the same device, since the count a storage shows
-    includes a reference the query itself may hold. All ``False`` where torch does not expose
-    storage use counts.
+    includes references of torch's own. All ``False`` where torch does not expose storage
+    use counts.
     """
     if _USE_COUNT is None or not grads:
         return [False] * len(grads)
     use_count = _USE_COUNT
-
-    def count(tensor: torch.Tensor) -> int:
-        return int(use_count(tensor.untyped_storage()._cdata))
-
+    storages = [grad.untyped_storage()._cdata for grad in grads]
     probe = torch.empty(1, device=grads[0].device)  # alive while counted
-    baseline = count(probe)
-    return [count(grad) == baseline for grad in grads]
+    baseline = int(use_count(probe.untyped_storage()._cdata))
+    sharers = Counter(storages)
+    return [int(use_count(cdata)) == baseline + sharers[cdata] - 1 for cdata in storages]
 
 
 def _movable(grad: torch.Tensor) -> bool:
@@ -173,7 +174,7 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
         by_key.setdefault((grad.device, grad.dtype), []).append(grad)
     groups: GradGroups = {}
     for (device, dtype), bucket in by_key.items():
-        alone = _sole_owners(bucket) if distinct else [False] * len(bucket)
+        alone = _unshared(bucket) if distinct else [False] * len(bucket)
         movable = [g for g, sole in zip(bucket, alone, strict=True) if sole and _movable(g)]
         if len(movable) > 1:
             moved = {id(grad) for grad in movable}
