@@ -11,7 +11,9 @@ built once the same gradient tensors have been seen on consecutive steps:
   memory is now a slice of the buffer (``Tensor.set_``). References held elsewhere stay valid,
   and the check and the unscale run once per buffer instead of once per tensor;
 - gradients whose memory others share (views of them, or they a view of something else),
-  non-contiguous ones, and ones requiring grad stay where they are, checked one by one.
+  non-contiguous ones, and ones requiring grad stay where they are, checked one by one. So
+  do all gradients where torch does not expose storage use counts
+  (``torch._C._storage_Use_Count``), since sharing cannot be ruled out there.
 
 Every step the plan is validated against the optimizer in one pass: the same number of
 parameters, each ``.grad`` the very tensor object the plan holds, at the same data pointer.
