@@ -56,11 +56,14 @@ def record(
     old_scale: torch.Tensor,
     new_scale: torch.Tensor,
 ) -> None:
-    """Count one iteration in place: whether it overflowed and how the scale moved."""
-    overflow = (found_inf > 0).long()
-    increments = torch.stack(
-        [torch.ones_like(overflow), overflow, (new_scale > old_scale).long(),
-         (new_scale < old_scale).long()]
-    )
-    counters[_STEPS : _BACKOFFS + 1] += increments
-    counters[_CONSECUTIVE] = (counters[_CONSECUTIVE] + 1) * overflow
+    """Count one iteration in place: whether it overflowed and how the scale moved.
+
+    Eight small device ops, no host sync: ``counters = counters * keep + add`` with
+    ``keep = [1, 1, 1, 1, overflow]`` and ``add = [1, overflow, grew, shrank, overflow]``,
+    so ``consecutive_skips`` becomes ``(consecutive_skips + 1) * overflow``.
+    """
+    overflow = found_inf > 0
+    one = torch.ones_like(overflow)
+    keep = torch.stack((one, one, one, one, overflow))
+    add = torch.stack((one, overflow, new_scale > old_scale, new_scale < old_scale, overflow))
+    counters.mul_(keep).add_(add)

@@ -189,10 +189,32 @@ def adjust(policy: ScalePolicy, state: ScaleState, found_inf: torch.Tensor) -> S
     """The state after one step whose gradients were non-finite iff ``found_inf > 0``.
 
     Pure (the input state is not modified) and free of host syncs. ``found_inf`` is a 0-dim
-    float tensor on the state's device, as the gradient check produces it.
+    float tensor on the state's device holding a count of non-finite checks (``>= 0``), as
+    the gradient check produces it.
+
+    With torch's rule (``hysteresis=1``, no bounds) and a float32 ``found_inf``, the
+    transition is torch's own fused kernel ``torch._amp_update_scale_`` run on copies of the
+    state: three small device ops instead of about fifteen, with identical results.
     """
     if not policy.dynamic:
         return state
+    if (
+        policy.hysteresis == 1
+        and policy.min_scale is None
+        and policy.max_scale is None
+        and found_inf.dtype == torch.float32
+    ):
+        scale = state.scale.clone()
+        growth_tracker = state.growth_tracker.clone()
+        torch._amp_update_scale_(
+            scale,
+            growth_tracker,
+            found_inf,
+            policy.growth_factor,
+            policy.backoff_factor,
+            policy.growth_interval,
+        )
+        return ScaleState(scale, growth_tracker, state.hysteresis_left)
     overflow = found_inf > 0
     zero = torch.zeros((), dtype=torch.int32, device=state.scale.device)
 

@@ -30,7 +30,8 @@ from .errors import (
     PersistentOverflowError,
     ScalerUsageError,
 )
-from .grads import check_and_unscale_, group_grads
+from .gradplan import GradPlanner
+from .grads import check_and_unscale_
 from .policy import ScalePolicy, ScaleState, adjust, initial_state
 from .records import StepRecord
 from .telemetry import Callback, Monitor, Sink
@@ -56,6 +57,11 @@ class _OptimizerRecord:
     stage: OptState = OptState.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (non-blocking), without a dispatch when it is there already."""
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
 
 def _device_type(device: str | torch.device | None) -> str | None:
@@ -206,6 +212,7 @@ class GradScaler:
         self._init_hysteresis_left = hysteresis
         self._init_stats = ScalerStats()
         self._per_optimizer: dict[int, _OptimizerRecord] = {}
+        self._planner = GradPlanner()
         self._last_found_inf: torch.Tensor | bool | None = None
         self._monitor = Monitor(
             enabled=self._enabled,
@@ -284,7 +291,7 @@ class GradScaler:
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         state = self._state if self._state is not None else self._create_state(device)
-        return state.scale.to(device=device, non_blocking=True)
+        return _on(state.scale, device)
 
     def _scale_nested(
         self, value: object, per_device: dict[torch.device, torch.Tensor]
@@ -361,7 +368,7 @@ class GradScaler:
         self._prepare_grads(optimizer, state.scale)
         inv_scale = state.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-        groups = group_grads(optimizer, allow_fp16=False)
+        groups = self._planner.groups(optimizer, allow_fp16=False)
         if self._agreement is not None:
             groups = local_shards(groups)
         record.found_inf_per_device = check_and_unscale_(groups, inv_scale, found_inf)
@@ -395,7 +402,7 @@ class GradScaler:
         record.found_inf_per_device = {device: agreement.launch(local)}
 
     def _combined_found_inf(self, record: _OptimizerRecord, device: torch.device) -> torch.Tensor:
-        flags = [f.to(device, non_blocking=True) for f in record.found_inf_per_device.values()]
+        flags = [_on(f, device) for f in record.found_inf_per_device.values()]
         if not flags:
             raise ScalerUsageError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
@@ -469,7 +476,7 @@ class GradScaler:
             self._prepare_grads(optimizer, state.scale)
             found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
-            groups = group_grads(optimizer, allow_fp16=True)
+            groups = self._planner.groups(optimizer, allow_fp16=True)
             if self._agreement is not None:
                 groups = local_shards(groups)
             record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
@@ -524,7 +531,7 @@ class GradScaler:
         if self._agreement is not None:
             self._agreement.settle()
         found_infs = [
-            flag.to(state.scale.device, non_blocking=True)
+            _on(flag, state.scale.device)
             for record in self._per_optimizer.values()
             for flag in record.found_inf_per_device.values()
         ]

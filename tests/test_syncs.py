@@ -1,0 +1,138 @@
+"""Host syncs per training step: none on the fused-optimizer path, one on the plain path.
+
+(A skipped step on the plain path reads more: it names the parameters that overflowed.)
+
+On the CPU a sync is counted through test doubles of the ``torch.Tensor`` methods that read a
+value back to Python (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``); calls made
+inside ``optimizer.step`` itself are not the scaler's and are not counted. Torch's scaler, run
+the same way, gives the same counts. On a GPU, CUDA's sync debug mode must stay silent.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+import ampscaler
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+class SyncCounter:
+    """Counts value reads while active; ``paused()`` stops counting for a while."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self.active = False
+        for name in READS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counting(original))
+
+    def _counting(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                self.count += 1
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def not_counting(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            was, self.active = self.active, False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.active = was
+
+        return call
+
+
+def syncs_per_step(
+    factory: Callable[..., Any],
+    fused: bool,
+    set_to_none: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    overflow_at: int | None = 3,
+    device: str = "cpu",
+) -> list[int]:
+    counter = SyncCounter(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).to(device)
+    if fused:
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt.step = counter.not_counting(opt.step)  # type: ignore[method-assign]
+    scaler = factory(device, growth_interval=2)
+    counts = []
+    for step in range(6):
+        loss = model(torch.ones(2, 4, device=device)).float().sum()
+        if step == overflow_at:
+            loss = loss * float("inf")
+        with counter.counting():
+            scaled = scaler.scale(loss)
+        scaled.backward()
+        before = counter.count
+        with counter.counting():
+            scaler.step(opt)
+            scaler.update()
+        counts.append(counter.count - before)
+        opt.zero_grad(set_to_none=set_to_none)
+    return counts
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_fused_path_never_syncs(set_to_none: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    ours = syncs_per_step(ampscaler.GradScaler, True, set_to_none, monkeypatch)
+    assert ours == [0] * 6
+    assert ours == syncs_per_step(torch.amp.GradScaler, True, set_to_none, monkeypatch)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_plain_path_syncs_once_per_step(
+    set_to_none: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours = syncs_per_step(ampscaler.GradScaler, False, set_to_none, monkeypatch, None)
+    assert ours == [1] * 6
+    assert ours == syncs_per_step(torch.amp.GradScaler, False, set_to_none, monkeypatch, None)
+
+
+def test_the_counter_sees_a_sync() -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        counter = SyncCounter(monkeypatch)
+        with counter.counting():
+            bool(torch.tensor(1.0) > 0)
+            torch.tensor([1.0]).tolist()
+        assert counter.count == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_path_never_syncs_on_cuda() -> None:
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = ampscaler.GradScaler("cuda")
+    for step in range(4):
+        scaler.scale(model(torch.ones(8, 64, device="cuda")).float().sum()).backward()
+        if step >= 2:  # after the first steps created the scale, counters and the plan
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad(set_to_none=False)
