@@ -196,6 +196,30 @@ def test_gradient_data_reassigned_in_place_of_the_same_object(kind: str) -> None
     assert trace.planned[3] and not trace.planned[4]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_moved_gradient_rebound_with_set_(kind: str) -> None:
+    """Rebinding a moved gradient's memory lowers the buffer's use count: the plan drops."""
+
+    def rebind(model: Net, opt: torch.optim.Optimizer) -> None:
+        grad = model.body[2].bias.grad
+        grad.set_(grad.clone())
+
+    trace = side_by_side(kind, before_step={5: rebind})
+    assert trace.planned[4] and not trace.planned[5]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_view_taken_after_the_plan_drops_it_and_results_still_match(kind: str) -> None:
+    def take_view(model: Net, opt: torch.optim.Optimizer) -> None:
+        model.held = [model.body[0].weight.grad.view(-1)]
+
+    def edit_view(model: Net, opt: torch.optim.Optimizer) -> None:
+        model.held[0].add_(1.0)
+
+    trace = side_by_side(kind, before_step={4: take_view, 6: edit_view})
+    assert trace.planned[3] and not trace.planned[4]
+
+
 def test_a_gradient_that_changes_dtype() -> None:
     def to_double(model: Net, opt: torch.optim.Optimizer) -> None:
         grad = model.body[0].weight.grad

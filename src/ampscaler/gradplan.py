@@ -16,9 +16,13 @@ built once the same gradient tensors have been seen on consecutive steps:
   (``torch._C._storage_Use_Count``), since sharing cannot be ruled out there.
 
 Every step the plan is validated against the optimizer in one pass: the same number of
-parameters, each ``.grad`` the very tensor object the plan holds, at the same data pointer.
-Anything else (a new parameter group, a gradient set to ``None`` or replaced, ``.data``
-reassigned) drops the plan and the gradients are grouped afresh; a plan is never used stale.
+parameters, each ``.grad`` the very tensor object the plan holds; gradients kept where they were
+at the same data pointer; and each flat buffer's storage used by as many tensors as on the first
+check after the plan was built (when every moved gradient's data pointer is checked too): a
+moved gradient whose memory is rebound (``.data`` reassigned, ``set_``) releases the buffer and
+lowers that count. Anything else (a new parameter group, a gradient set to ``None`` or replaced)
+drops the plan and the gradients are grouped afresh; a plan is never used stale. A count that
+rises (a new view of a gradient kept somewhere) also drops it, costing only speed.
 Optimizers with sparse gradients or with tensor-subclass gradients (``DTensor``) get no plan.
 
 Loops that replace their gradients every step (``zero_grad()``'s default
@@ -66,26 +70,41 @@ class GradPlan:
 
     Attributes:
         grads: ``param.grad`` expected for every parameter, in ``param_groups`` order.
-        members: the non-``None`` entries of ``grads``.
-        pointers: ``data_ptr()`` of each member when the plan was built.
+        moved: the gradients moved into flat buffers, and ``moved_pointers`` their
+            ``data_ptr()`` right after the move.
+        kept: the other non-``None`` gradients, and ``kept_pointers`` their ``data_ptr()``.
+        buffers: the storages of the flat buffers (``_cdata`` handles, alive with ``groups``).
+        buffer_counts: the buffers' storage use counts, taken on the first check that passed.
         groups: what the check kernel receives: per device and dtype, the flat buffer (when
             gradients were moved into one) followed by the gradients kept as they are.
         has_fp16: whether any group holds float16 gradients.
     """
 
     grads: list[torch.Tensor | None]
-    members: list[torch.Tensor]
-    pointers: list[int]
+    moved: list[torch.Tensor]
+    moved_pointers: list[int]
+    kept: list[torch.Tensor]
+    kept_pointers: list[int]
+    buffers: list[int]
     groups: GradGroups
     has_fp16: bool
+    buffer_counts: list[int] | None = None
 
     def matches(self, grads: list[torch.Tensor | None]) -> bool:
         """Whether ``grads`` (the optimizer's current ``.grad`` per parameter) are the plan's."""
-        return (
+        if not (
             len(grads) == len(self.grads)
             and all(map(operator.is_, grads, self.grads))
-            and list(map(_DATA_PTR, self.members)) == self.pointers
-        )
+            and list(map(_DATA_PTR, self.kept)) == self.kept_pointers
+        ):
+            return False
+        counts = [int(_USE_COUNT(cdata)) for cdata in self.buffers] if _USE_COUNT else []
+        if self.buffer_counts is None:
+            if list(map(_DATA_PTR, self.moved)) != self.moved_pointers:
+                return False
+            self.buffer_counts = counts
+            return True
+        return counts == self.buffer_counts
 
 
 @dataclass
@@ -175,18 +194,27 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
     for grad in present:
         by_key.setdefault((grad.device, grad.dtype), []).append(grad)
     groups: GradGroups = {}
+    moved_ids: set[int] = set()
+    buffers: list[int] = []
     for (device, dtype), bucket in by_key.items():
         alone = _unshared(bucket) if distinct else [False] * len(bucket)
         movable = [g for g, sole in zip(bucket, alone, strict=True) if sole and _movable(g)]
         if len(movable) > 1:
-            moved = {id(grad) for grad in movable}
-            kept = [grad for grad in bucket if id(grad) not in moved]
-            bucket = [_flatten_(movable), *kept]
+            moved_ids.update(id(grad) for grad in movable)
+            kept = [grad for grad in bucket if id(grad) not in moved_ids]
+            flat = _flatten_(movable)
+            buffers.append(flat.untyped_storage()._cdata)
+            bucket = [flat, *kept]
         groups.setdefault(device, {})[dtype] = bucket
+    moved = [grad for grad in present if id(grad) in moved_ids]
+    kept = [grad for grad in present if id(grad) not in moved_ids]
     return GradPlan(
         grads=[param.grad for param in params],
-        members=present,
-        pointers=list(map(_DATA_PTR, present)),
+        moved=moved,
+        moved_pointers=list(map(_DATA_PTR, moved)),
+        kept=kept,
+        kept_pointers=list(map(_DATA_PTR, kept)),
+        buffers=buffers,
         groups=groups,
         has_fp16=any(torch.float16 in per_dtype for per_dtype in groups.values()),
     )
