@@ -515,3 +515,19 @@ def test_bad_constructor_arguments(kwargs: dict[str, Any], argument: str) -> Non
     with pytest.raises(ValueError, match=argument) as info:
         ampscaler.GradScaler(**kwargs)
     assert isinstance(info.value, AssertionError)  # what torch raises for its own checks
+
+
+def test_legacy_grad_scaler_protocol_is_refused_not_silently_ignored() -> None:
+    """torch passes itself as ``grad_scaler=`` to such optimizers; ours says it does not."""
+
+    class Legacy(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
+            raise AssertionError("must not be called")
+
+    scaler, _ = _scaled_opt(ampscaler.GradScaler)
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.ones(1)
+    with pytest.raises(TypeError, match="legacy protocol"):
+        scaler.step(Legacy([param], lr=1.0))

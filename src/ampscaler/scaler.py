@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +43,15 @@ __all__ = ["GradScaler", "OptState"]
 SinkT = TypeVar("SinkT", bound=Sink)
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
+    """Whether an optimizer class's ``step`` has torch's legacy ``grad_scaler`` parameter."""
+    try:
+        return "grad_scaler" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        return False
 
 
 class OptState(enum.Enum):
@@ -470,6 +481,13 @@ class GradScaler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        if _takes_grad_scaler(type(optimizer).step):
+            raise TypeError(
+                f"{type(optimizer).__name__}.step() takes a grad_scaler argument: the legacy "
+                "protocol, deprecated by torch since 2.0, in which the optimizer drives the "
+                "scaler. ampscaler hands optimizers optimizer.grad_scale and optimizer.found_inf "
+                "instead; update the optimizer to read those, or use torch.amp.GradScaler for it."
+            )
         grad_scale: torch.Tensor | None
         if record.stage is OptState.READY:
             # Check only: the optimizer's kernel unscales with grad_scale as it steps.
