@@ -24,6 +24,7 @@ from .probe import ProbeResult
 from .records import StepRecord
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 __all__ = [
@@ -48,6 +49,14 @@ def _figure(rows: int = 1) -> Figure:
     from matplotlib.figure import Figure
 
     return Figure(figsize=(8, 3.2 * rows), dpi=100, layout="constrained")
+
+
+def _step_axis(axes: Axes) -> None:
+    """Label the x axis "step", with whole-number ticks only."""
+    from matplotlib.ticker import MaxNLocator
+
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _save(figure: Figure, path: Path) -> Path:
@@ -84,7 +93,7 @@ def plot_scale(records: Sequence[ScaleSample], path: Path) -> Path:
         label=f"skipped step ({len(skipped)})",
     )
     axes.set_yscale("log", base=2)
-    axes.set_xlabel("step")
+    _step_axis(axes)
     axes.set_ylabel("scale")
     axes.set_title("Loss scale over steps")
     axes.grid(True, which="major", alpha=0.3)
@@ -105,7 +114,7 @@ def plot_skips(records: Sequence[StepRecord], path: Path, window: int) -> Path:
     axes = figure.add_subplot()
     axes.bar(list(counts), list(counts.values()), width=window, align="edge", color=_SKIP_COLOR)
     total = sum(r.skipped for r in records)
-    axes.set_xlabel("step")
+    _step_axis(axes)
     axes.set_ylabel(f"skipped per {window} step{'s' if window > 1 else ''}")
     axes.set_title(f"Skipped steps: {total} of {len(records)}")
     axes.set_ylim(bottom=0, top=max(1, *counts.values()) * 1.1)
@@ -143,7 +152,7 @@ def plot_probe(probes: Sequence[tuple[int, ProbeResult]], path: Path) -> Path:
         bottom.legend(loc="best")
     bottom.axhline(0.0, color=_SKIP_COLOR, linewidth=1, linestyle="--")
     bottom.set_ylabel("headroom\nlog2(65504 / max|g|)")
-    bottom.set_xlabel("step")
+    _step_axis(bottom)
     bottom.grid(True, alpha=0.3)
     return _save(figure, path)
 
