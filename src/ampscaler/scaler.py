@@ -64,10 +64,21 @@ class OptState(enum.Enum):
 
 @dataclass
 class _OptimizerRecord:
+    # Held so that the id() this record is keyed by cannot be reused within the iteration.
     optimizer: torch.optim.Optimizer
     stage: OptState = OptState.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
+
+
+def _sum_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """The sum of inf flags (> 0 iff any was set), ``None`` for none; no host sync."""
+    if not flags:
+        return None
+    combined = flags[0]
+    for flag in flags[1:]:
+        combined = combined + flag
+    return combined
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -413,16 +424,13 @@ class GradScaler:
         record.found_inf_per_device = {device: agreement.launch(local)}
 
     def _combined_found_inf(self, record: _OptimizerRecord, device: torch.device) -> torch.Tensor:
-        flags = [_on(f, device) for f in record.found_inf_per_device.values()]
-        if not flags:
+        combined = _sum_flags([_on(f, device) for f in record.found_inf_per_device.values()])
+        if combined is None:
             raise ScalerUsageError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
-        combined = flags[0]
-        for flag in flags[1:]:
-            combined = combined + flag
         return combined
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -548,16 +556,13 @@ class GradScaler:
         state = self._require_state("update")
         if self._agreement is not None:
             self._agreement.settle()
-        found_infs = [
-            _on(flag, state.scale.device)
-            for record in self._per_optimizer.values()
-            for flag in record.found_inf_per_device.values()
-        ]
-        found_inf = None
-        if found_infs:
-            found_inf = found_infs[0]
-            for flag in found_infs[1:]:
-                found_inf = found_inf + flag
+        found_inf = _sum_flags(
+            [
+                _on(flag, state.scale.device)
+                for record in self._per_optimizer.values()
+                for flag in record.found_inf_per_device.values()
+            ]
+        )
         if new_scale is not None:
             new_state = state._replace(scale=self._new_scale_tensor(new_scale, state))
         elif found_inf is None:
