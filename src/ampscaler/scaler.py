@@ -387,15 +387,27 @@ class GradScaler:
                 "unscale_() is being called after step(). Call scaler.unscale_(optimizer) "
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
-        self._prepare_grads(optimizer, state.scale)
         inv_scale = state.scale.double().reciprocal().float()
+        self._check_grads(optimizer, record, state, inv_scale, allow_fp16=False)
+        record.stage = OptState.UNSCALED
+
+    def _check_grads(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _OptimizerRecord,
+        state: ScaleState,
+        multiplier: torch.Tensor,
+        allow_fp16: bool,
+    ) -> None:
+        """Multiply ``optimizer``'s gradients by ``multiplier``, flag inf/NaN in ``record``, and
+        start agreeing on the flag across ranks. No host sync."""
+        self._prepare_grads(optimizer, state.scale)
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-        groups = self._planner.groups(optimizer, allow_fp16=False)
+        groups = self._planner.groups(optimizer, allow_fp16=allow_fp16)
         if self._agreement is not None:
             groups = local_shards(groups)
-        record.found_inf_per_device = check_and_unscale_(groups, inv_scale, found_inf)
+        record.found_inf_per_device = check_and_unscale_(groups, multiplier, found_inf)
         self._agree(record, state)
-        record.stage = OptState.UNSCALED
 
     def _agree(self, record: _OptimizerRecord, state: ScaleState) -> None:
         """With a process group: start max-reducing ``record``'s flag over it (no host sync).
@@ -499,14 +511,8 @@ class GradScaler:
         grad_scale: torch.Tensor | None
         if record.stage is OptState.READY:
             # Check only: the optimizer's kernel unscales with grad_scale as it steps.
-            self._prepare_grads(optimizer, state.scale)
-            found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
             ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
-            groups = self._planner.groups(optimizer, allow_fp16=True)
-            if self._agreement is not None:
-                groups = local_shards(groups)
-            record.found_inf_per_device = check_and_unscale_(groups, ones, found_inf)
-            self._agree(record, state)
+            self._check_grads(optimizer, record, state, ones, allow_fp16=True)
             grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
