@@ -187,25 +187,21 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
             grad.data_ptr()
     except RuntimeError:  # no storage (e.g. a lazy or XLA tensor)
         return None
-    if not allow_fp16 and any(grad.dtype == torch.float16 for grad in present):
-        raise ValueError(FP16_GRADS_MESSAGE)
+    groups = group_grad_list(list(present), allow_fp16)  # raises on fp16 before moving
+    assert groups is not None  # no sparse gradients here
     distinct = len({id(grad) for grad in present}) == len(present)
-    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in present:
-        by_key.setdefault((grad.device, grad.dtype), []).append(grad)
-    groups: GradGroups = {}
     moved_ids: set[int] = set()
     buffers: list[int] = []
-    for (device, dtype), bucket in by_key.items():
-        alone = _unshared(bucket) if distinct else [False] * len(bucket)
-        movable = [g for g, sole in zip(bucket, alone, strict=True) if sole and _movable(g)]
-        if len(movable) > 1:
-            moved_ids.update(id(grad) for grad in movable)
-            kept = [grad for grad in bucket if id(grad) not in moved_ids]
-            flat = _flatten_(movable)
-            buffers.append(flat.untyped_storage()._cdata)
-            bucket = [flat, *kept]
-        groups.setdefault(device, {})[dtype] = bucket
+    for per_dtype in groups.values():
+        for dtype, bucket in per_dtype.items():
+            alone = _unshared(bucket) if distinct else [False] * len(bucket)
+            movable = [g for g, sole in zip(bucket, alone, strict=True) if sole and _movable(g)]
+            if len(movable) > 1:
+                moved_ids.update(id(grad) for grad in movable)
+                kept = [grad for grad in bucket if id(grad) not in moved_ids]
+                flat = _flatten_(movable)
+                buffers.append(flat.untyped_storage()._cdata)
+                per_dtype[dtype] = [flat, *kept]
     moved = [grad for grad in present if id(grad) in moved_ids]
     kept = [grad for grad in present if id(grad) not in moved_ids]
     return GradPlan(

@@ -8,7 +8,6 @@ the unscaled values are bit-for-bit the same. Sparse gradients are checked throu
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
@@ -53,19 +52,19 @@ def group_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradGroup
     Raises:
         ValueError: an fp16 gradient when ``allow_fp16`` is false (torch's message, extended).
     """
-    groups: GradGroups = defaultdict(lambda: defaultdict(list))
+    grads: list[torch.Tensor | None] = []
     with torch.no_grad():
         for _, _, param in iter_params(optimizer):
             grad = param.grad
-            if grad is None:
-                continue
-            if not allow_fp16 and grad.dtype == torch.float16:
-                raise ValueError(FP16_GRADS_MESSAGE)
-            if grad.is_sparse:
+            if grad is not None and grad.is_sparse:
                 if grad.dtype is torch.float16:
+                    if not allow_fp16:
+                        raise ValueError(FP16_GRADS_MESSAGE)
                     grad = param.grad = grad.coalesce()
                 grad = grad._values()
-            groups[grad.device][grad.dtype].append(grad)
+            grads.append(grad)
+    groups = group_grad_list(grads, allow_fp16)
+    assert groups is not None  # sparse gradients were replaced by their values above
     return groups
 
 
