@@ -1,7 +1,10 @@
 """Counting step outcomes on the device, and reading them back as Python numbers.
 
-One ``int64`` tensor of five counters is updated with a handful of tensor ops per
-``update()``; nothing waits for the device until somebody reads :class:`ScalerStats`.
+Counting costs ``update()`` no device work: :meth:`StepCounters.record` only keeps the
+iteration's inf flag and its old and new scale (0-dim tensors the scaler never modifies). The
+kept iterations are folded into one ``int64`` tensor of five counters with a dozen vectorized
+ops when somebody reads the counters, or every :data:`FOLD_EVERY` iterations; nothing waits
+for the device until somebody reads :class:`ScalerStats`.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["FIELDS", "ScalerStats", "new_counters", "record"]
+__all__ = ["FIELDS", "FOLD_EVERY", "ScalerStats", "StepCounters"]
 
 FIELDS = ("steps", "skipped", "growths", "backoffs", "consecutive_skips")
-_STEPS, _SKIPPED, _GROWTHS, _BACKOFFS, _CONSECUTIVE = range(len(FIELDS))
+#: Iterations kept before they are folded into the counters, at the latest.
+FOLD_EVERY = 64
 
 
 @dataclass(frozen=True)
@@ -44,26 +48,62 @@ class ScalerStats:
         return cls(*(int(v) for v in counters.tolist()))
 
 
-def new_counters(device: torch.device, stats: ScalerStats | None = None) -> torch.Tensor:
-    """A counters tensor on ``device``, starting from ``stats`` (zeros by default)."""
-    values = [0] * len(FIELDS) if stats is None else [getattr(stats, f) for f in FIELDS]
-    return torch.tensor(values, dtype=torch.int64, device=device)
+class StepCounters:
+    """The five counters of :class:`ScalerStats` on ``device``, starting from ``stats``.
 
-
-def record(
-    counters: torch.Tensor,
-    found_inf: torch.Tensor,
-    old_scale: torch.Tensor,
-    new_scale: torch.Tensor,
-) -> None:
-    """Count one iteration in place: whether it overflowed and how the scale moved.
-
-    Eight small device ops, no host sync: ``counters = counters * keep + add`` with
-    ``keep = [1, 1, 1, 1, overflow]`` and ``add = [1, overflow, grew, shrank, overflow]``,
-    so ``consecutive_skips`` becomes ``(consecutive_skips + 1) * overflow``.
+    Example:
+        >>> counters = StepCounters(torch.device("cpu"))
+        >>> one = torch.tensor(1.0)
+        >>> counters.record(torch.tensor(0.0), one, one * 2)   # clean, the scale grew
+        >>> counters.record(torch.tensor(1.0), one * 2, one)   # overflow, it backed off
+        >>> counters.stats()
+        ScalerStats(steps=2, skipped=1, growths=1, backoffs=1, consecutive_skips=1)
     """
-    overflow = found_inf > 0
-    one = torch.ones_like(overflow)
-    keep = torch.stack((one, one, one, one, overflow))
-    add = torch.stack((one, overflow, new_scale > old_scale, new_scale < old_scale, overflow))
-    counters.mul_(keep).add_(add)
+
+    def __init__(self, device: torch.device, stats: ScalerStats | None = None) -> None:
+        values = [0] * len(FIELDS) if stats is None else [getattr(stats, f) for f in FIELDS]
+        self._folded = torch.tensor(values, dtype=torch.int64, device=device)
+        self._found: list[torch.Tensor] = []
+        self._old: list[torch.Tensor] = []
+        self._new: list[torch.Tensor] = []
+
+    def record(
+        self, found_inf: torch.Tensor, old_scale: torch.Tensor, new_scale: torch.Tensor
+    ) -> None:
+        """Count one iteration: it overflowed iff ``found_inf > 0``; the scale moved from
+        ``old_scale`` to ``new_scale``. The tensors must not be modified afterwards."""
+        self._found.append(found_inf)
+        self._old.append(old_scale)
+        self._new.append(new_scale)
+        if len(self._found) >= FOLD_EVERY:
+            self._fold()
+
+    def tensor(self) -> torch.Tensor:
+        """The counters as one ``int64`` tensor of shape ``[5]``, in :data:`FIELDS` order."""
+        if self._found:
+            self._fold()
+        return self._folded
+
+    def stats(self) -> ScalerStats:
+        """The counters as Python ints (a host sync)."""
+        return ScalerStats.from_tensor(self.tensor())
+
+    def _fold(self) -> None:
+        count = len(self._found)
+        device = self._folded.device
+        overflow = torch.stack([flag.to(device, torch.float32) for flag in self._found]) > 0
+        old = torch.stack(self._old)
+        new = torch.stack(self._new)
+        # The overflows at the end, in a row: 1s of the reversed flags up to their first 0.
+        trailing = overflow.flip(0).to(torch.int64).cumprod(0).sum()
+        steps, skipped, growths, backoffs, in_a_row = self._folded.unbind()
+        self._folded = torch.stack(
+            (
+                steps + count,
+                skipped + overflow.sum(),
+                growths + (new > old).sum(),
+                backoffs + (new < old).sum(),
+                trailing + in_a_row * (trailing == count),
+            )
+        )
+        self._found, self._old, self._new = [], [], []

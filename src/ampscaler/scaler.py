@@ -22,8 +22,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from . import counters as counters_
-from .counters import ScalerStats
+from .counters import FIELDS, ScalerStats, StepCounters
 from .diagnostics import OverflowReport
 from .distributed import RankAgreement, local_shards
 from .errors import (
@@ -228,7 +227,7 @@ class GradScaler:
             self._enabled = False
         # Device state, created lazily on the device of the first scaled tensor.
         self._state: ScaleState | None = None
-        self._counters: torch.Tensor | None = None
+        self._counters: StepCounters | None = None
         # What the device state starts from when it is created (or re-created after unpickling).
         self._init_growth_tracker = 0
         self._init_hysteresis_left = hysteresis
@@ -254,7 +253,7 @@ class GradScaler:
             growth_tracker=self._init_growth_tracker,
             hysteresis_left=self._init_hysteresis_left,
         )
-        self._counters = counters_.new_counters(device, self._init_stats)
+        self._counters = StepCounters(device, self._init_stats)
         if self._device is None:
             self._device = device.type
         return self._state
@@ -579,7 +578,7 @@ class GradScaler:
         else:
             new_state = adjust(self._policy, state, found_inf)
         if found_inf is not None and self._counters is not None:
-            counters_.record(self._counters, found_inf, state.scale, new_state.scale)
+            self._counters.record(found_inf, state.scale, new_state.scale)
         self._state = new_state
         self._per_optimizer = {}
         if found_inf is not None and self._counters is not None:
@@ -604,7 +603,7 @@ class GradScaler:
 
     def _check_persistent_overflow(self) -> None:
         assert self._counters is not None and self._max_consecutive_skips is not None
-        in_a_row = int(self._counters[counters_.FIELDS.index("consecutive_skips")].item())
+        in_a_row = int(self._counters.tensor()[FIELDS.index("consecutive_skips")].item())
         if in_a_row < self._max_consecutive_skips:
             return
         report = self.last_overflow
@@ -783,7 +782,7 @@ class GradScaler:
         """
         if self._counters is None:
             return self._init_stats
-        return ScalerStats.from_tensor(self._counters)
+        return self._counters.stats()
 
     def watch(self, *models: torch.nn.Module, **named_models: torch.nn.Module) -> None:
         """Learn parameter names from ``models`` so overflow reports can name them.

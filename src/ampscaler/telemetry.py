@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from . import diagnostics
+from .counters import StepCounters
 from .diagnostics import OverflowReport, ParamNames, merge_reports
 from .errors import InvalidConfigError
 from .probe import GradientProbe, PendingProbe
@@ -195,7 +196,7 @@ class Monitor:
         optimizer: torch.optim.Optimizer,
         found_inf: bool | torch.Tensor,
         scale: torch.Tensor,
-        counters: torch.Tensor | None,
+        counters: StepCounters | None,
     ) -> None:
         """Record one ``step()``: a known outcome (plain path) or a device flag (fused path).
 
@@ -207,7 +208,7 @@ class Monitor:
         if isinstance(found_inf, torch.Tensor):
             current.fused.append((optimizer, found_inf, scale))
         elif found_inf:
-            step = 0 if counters is None else int(counters[0].item())
+            step = 0 if counters is None else int(counters.tensor()[0].item())
             events = None if self._tracer is None else self._tracer.events
             current.reports.append(self._localize([optimizer], step, float(scale.item()), events))
 
@@ -222,7 +223,7 @@ class Monitor:
         found_inf: torch.Tensor,
         old_scale: torch.Tensor,
         new_scale: torch.Tensor,
-        counters: torch.Tensor,
+        counters: StepCounters,
     ) -> None:
         """End the iteration: emit its record if anything consumes records; re-arm the probe."""
         pending = self._probe.take() if self._probe is not None else None
@@ -244,11 +245,11 @@ class Monitor:
         found_inf: torch.Tensor,
         old_scale: torch.Tensor,
         new_scale: torch.Tensor,
-        counters: torch.Tensor,
+        counters: StepCounters,
         pending: PendingProbe | None,
     ) -> None:
         device = old_scale.device
-        tensors = [found_inf, old_scale, new_scale, counters[0]]
+        tensors = [found_inf, old_scale, new_scale, counters.tensor()[0]]
         if pending is not None:
             tensors += pending.tensors
         values = torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()  # sync
@@ -314,7 +315,7 @@ class Monitor:
         iteration.resolved = True
         return iteration.report
 
-    def last_overflow(self, counters: torch.Tensor | None) -> OverflowReport | None:
+    def last_overflow(self, counters: StepCounters | None) -> OverflowReport | None:
         """The overflow of the iteration in progress if it stepped, else of the last one.
 
         On the fused path the first read is a host sync (it reads the inf flags) and localizes
@@ -324,7 +325,7 @@ class Monitor:
         iteration = self._current if current else self._finished
 
         def step() -> int:
-            done = 0 if counters is None else int(counters[0].item())
+            done = 0 if counters is None else int(counters.tensor()[0].item())
             return done if current else done - 1
 
         return self._resolve(iteration, step)
