@@ -6,6 +6,10 @@ On the CPU a sync is counted through test doubles of the ``torch.Tensor`` method
 value back to Python (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``); calls made
 inside ``optimizer.step`` itself are not the scaler's and are not counted. Torch's scaler, run
 the same way, gives the same counts. On a GPU, CUDA's sync debug mode must stay silent.
+
+Long runs on the fused path read the scale once every 80 or so updates, to renew what the
+scaler knows about it (``ampscaler.pow2``): on the CPU a plain read of host memory, on CUDA a
+non-blocking copy polled with an event, so still no sync.
 """
 
 from __future__ import annotations
@@ -112,6 +116,25 @@ def test_plain_path_syncs_once_per_step(
     assert ours == syncs_per_step(torch.amp.GradScaler, False, set_to_none, monkeypatch, None)
 
 
+def test_long_fused_runs_read_the_scale_only_every_eighty_or_so_updates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counter = SyncCounter(monkeypatch)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    opt.step = counter.not_counting(opt.step)  # type: ignore[method-assign]
+    scaler = ampscaler.GradScaler("cpu", growth_interval=1)
+    steps = 400
+    with counter.counting():
+        for step in range(steps):
+            loss = model(torch.ones(2, 4)).sum() * (float("inf") if step % 2 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+    assert 1 <= counter.count <= steps // 80
+
+
 def test_the_counter_sees_a_sync() -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         counter = SyncCounter(monkeypatch)
@@ -122,12 +145,20 @@ def test_the_counter_sees_a_sync() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fused_path_never_syncs_on_cuda() -> None:
+@pytest.mark.parametrize(("steps", "overflow_every"), [(4, None), (400, 2)])
+def test_fused_path_never_syncs_on_cuda(steps: int, overflow_every: int | None) -> None:
+    """The long run overflows on every other step: the bound on the scale's exponent runs low
+    and is renewed from non-blocking copies, and the fast route stays on throughout."""
     model = torch.nn.Linear(64, 64).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-    scaler = ampscaler.GradScaler("cuda")
-    for step in range(4):
-        scaler.scale(model(torch.ones(8, 64, device="cuda")).float().sum()).backward()
+    routes: list[bool] = []
+    opt.register_step_pre_hook(lambda o, a, k: routes.append(o.grad_scale is None))
+    scaler = ampscaler.GradScaler("cuda", growth_interval=1)
+    for step in range(steps):
+        loss = model(torch.ones(8, 64, device="cuda")).float().sum()
+        if overflow_every and step % overflow_every:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
         if step >= 2:  # after the first steps created the scale, counters and the plan
             torch.cuda.set_sync_debug_mode("error")
         try:
@@ -136,3 +167,4 @@ def test_fused_path_never_syncs_on_cuda() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         opt.zero_grad(set_to_none=False)
+    assert routes == [True] * steps

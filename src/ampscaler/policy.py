@@ -46,7 +46,7 @@ import torch
 
 from .errors import InvalidConfigError
 
-__all__ = ["ScalePolicy", "ScaleState", "adjust", "initial_state"]
+__all__ = ["ScalePolicy", "ScaleState", "adjust", "float32_value", "initial_state"]
 
 
 def _require_number(name: str, value: object) -> float:
@@ -55,7 +55,7 @@ def _require_number(name: str, value: object) -> float:
     return float(value)
 
 
-def _float32(value: float) -> float:
+def float32_value(value: float) -> float:
     """``value`` as the float32 the scale tensor holds (``inf`` beyond float32's range)."""
     return float(torch.tensor(value, dtype=torch.float64).float())
 
@@ -115,7 +115,7 @@ class ScalePolicy:
         for name in ("min_scale", "max_scale"):
             bound = getattr(self, name)
             if bound is not None:
-                value = _float32(_require_number(name, bound))
+                value = float32_value(_require_number(name, bound))
                 if not (value > 0.0 and math.isfinite(value)):
                     raise InvalidConfigError(
                         f"{name} must be a number > 0 that is finite as a float32, or None, "
@@ -138,9 +138,9 @@ class ScalePolicy:
         :class:`InvalidConfigError` naming ``name`` and the allowed range.
         """
         value = _require_number(name, scale)
-        stored = _float32(value)
-        low = 0.0 if self.min_scale is None else _float32(self.min_scale)
-        high = math.inf if self.max_scale is None else _float32(self.max_scale)
+        stored = float32_value(value)
+        low = 0.0 if self.min_scale is None else float32_value(self.min_scale)
+        high = math.inf if self.max_scale is None else float32_value(self.max_scale)
         if not (math.isfinite(stored) and stored > 0.0 and low <= stored <= high):
             within = (
                 ""

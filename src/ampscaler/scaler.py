@@ -32,8 +32,10 @@ from .errors import (
     ScalerUsageError,
 )
 from .gradplan import GradPlanner
-from .grads import check_and_unscale_
-from .policy import ScalePolicy, ScaleState, adjust, initial_state
+from .grads import GradGroups, check_and_unscale_
+from .master import MasterWeightOptimizer
+from .policy import ScalePolicy, ScaleState, adjust, float32_value, initial_state
+from .pow2 import Pow2Watch
 from .records import StepRecord
 from .telemetry import Callback, Monitor, Sink
 
@@ -51,6 +53,29 @@ def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
         return "grad_scaler" in inspect.signature(step).parameters
     except (TypeError, ValueError):  # no introspectable signature
         return False
+
+
+# torch's fused optimizers, whose kernels divide each gradient by ``grad_scale`` (when given)
+# in float32/float64 arithmetic before using it, and touch ``grad_scale`` nowhere else.
+_DIVIDING_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+# Gradient dtypes the fused kernels compute in as they are: unscaling one in the check pass
+# rounds exactly as the kernel's division would. (float16/bfloat16 would round to their
+# own precision in the check, where the kernel divides in float32.)
+_WIDE_FLOATS = frozenset((torch.float32, torch.float64))
+
+
+def _kernel_divides_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's fused optimizers (possibly wrapped by
+    :class:`~ampscaler.MasterWeightOptimizer`) and has no ``grad_scale`` of its own."""
+    if hasattr(optimizer, "grad_scale"):
+        return False
+    stepping = optimizer.inner if isinstance(optimizer, MasterWeightOptimizer) else optimizer
+    return type(stepping) in _DIVIDING_FUSED
+
+
+def _all_wide(groups: GradGroups) -> bool:
+    return all(dtype in _WIDE_FLOATS for per_dtype in groups.values() for dtype in per_dtype)
 
 
 class OptState(enum.Enum):
@@ -78,6 +103,11 @@ def _sum_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
     for flag in flags[1:]:
         combined = combined + flag
     return combined
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1/scale`` as torch's scaler forms it: in float64, rounded once to float32."""
+    return scale.double().reciprocal().float()
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -228,6 +258,7 @@ class GradScaler:
         # Device state, created lazily on the device of the first scaled tensor.
         self._state: ScaleState | None = None
         self._counters: StepCounters | None = None
+        self._pow2: Pow2Watch | None = None  # created with the state
         # What the device state starts from when it is created (or re-created after unpickling).
         self._init_growth_tracker = 0
         self._init_hysteresis_left = hysteresis
@@ -254,6 +285,8 @@ class GradScaler:
             hysteresis_left=self._init_hysteresis_left,
         )
         self._counters = StepCounters(device, self._init_stats)
+        self._pow2 = Pow2Watch(self._policy, device)
+        self._pow2.saw(float32_value(self._init_scale))
         if self._device is None:
             self._device = device.type
         return self._state
@@ -386,25 +419,28 @@ class GradScaler:
                 "unscale_() is being called after step(). Call scaler.unscale_(optimizer) "
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
-        inv_scale = state.scale.double().reciprocal().float()
-        self._check_grads(optimizer, record, state, inv_scale, allow_fp16=False)
+        groups = self._gather_grads(optimizer, state, allow_fp16=False)
+        self._check_grads(groups, record, state, _reciprocal(state.scale))
         record.stage = OptState.UNSCALED
+
+    def _gather_grads(
+        self, optimizer: torch.optim.Optimizer, state: ScaleState, allow_fp16: bool
+    ) -> GradGroups:
+        """``optimizer``'s gradients (this rank's shards of them), grouped for the check."""
+        self._prepare_grads(optimizer, state.scale)
+        groups = self._planner.groups(optimizer, allow_fp16=allow_fp16)
+        return groups if self._agreement is None else local_shards(groups)
 
     def _check_grads(
         self,
-        optimizer: torch.optim.Optimizer,
+        groups: GradGroups,
         record: _OptimizerRecord,
         state: ScaleState,
         multiplier: torch.Tensor,
-        allow_fp16: bool,
     ) -> None:
-        """Multiply ``optimizer``'s gradients by ``multiplier``, flag inf/NaN in ``record``, and
-        start agreeing on the flag across ranks. No host sync."""
-        self._prepare_grads(optimizer, state.scale)
+        """Multiply the gradients in ``groups`` by ``multiplier``, flag inf/NaN in ``record``,
+        and start agreeing on the flag across ranks. No host sync."""
         found_inf = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-        groups = self._planner.groups(optimizer, allow_fp16=allow_fp16)
-        if self._agreement is not None:
-            groups = local_shards(groups)
         record.found_inf_per_device = check_and_unscale_(groups, multiplier, found_inf)
         self._agree(record, state)
 
@@ -452,6 +488,14 @@ class GradScaler:
         (``_step_supports_amp_scaling``, e.g. ``Adam(fused=True)``) the scale and the inf flag
         are handed to the optimizer and nothing waits for the device; for all others, deciding
         whether to step reads one flag from the device (a host sync), as in torch.
+
+        With torch's own fused optimizers (Adam, AdamW, SGD, Adagrad), float32/float64
+        gradients and a scale that is a power of two (torch's defaults keep it one), the check
+        pass also unscales the gradients and the optimizer gets no ``grad_scale``: its kernel
+        then reads the gradients without writing them back, one pass less than torch's route.
+        Parameters and optimizer state come out bit for bit the same (see :mod:`ampscaler.pow2`);
+        the one visible difference is that after a *skipped* step the gradients are unscaled,
+        as on the plain route, where torch's fused route leaves them scaled.
 
         Raises:
             RuntimeError: a ``closure`` (closures re-evaluate an unscaled loss, which the
@@ -509,10 +553,24 @@ class GradScaler:
             )
         grad_scale: torch.Tensor | None
         if record.stage is OptState.READY:
-            # Check only: the optimizer's kernel unscales with grad_scale as it steps.
-            ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
-            self._check_grads(optimizer, record, state, ones, allow_fp16=True)
-            grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
+            groups = self._gather_grads(optimizer, state, allow_fp16=True)
+            if (
+                self._pow2 is not None
+                and self._pow2.exact
+                and _kernel_divides_grads(optimizer)
+                and _all_wide(groups)
+            ):
+                # The scale is a power of two, so multiplying by its reciprocal here rounds
+                # exactly as the kernel's division would: unscale in the check pass (which
+                # writes the gradients anyway) and spare the kernel a second write of them.
+                # (1/scale is exact in float32 here: no need to form it in float64 first.)
+                self._check_grads(groups, record, state, state.scale.reciprocal())
+                grad_scale = None
+            else:
+                # Check only (as torch does): the kernel unscales with grad_scale as it steps.
+                ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
+                self._check_grads(groups, record, state, ones)
+                grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
         if self._agreement is not None:
@@ -569,7 +627,9 @@ class GradScaler:
             ]
         )
         if new_scale is not None:
-            new_state = state._replace(scale=self._new_scale_tensor(new_scale, state))
+            value = self._new_scale_value(new_scale)
+            scale = torch.full((), value, dtype=torch.float32, device=state.scale.device)
+            new_state = state._replace(scale=scale)
         elif found_inf is None:
             raise ScalerUsageError(
                 "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
@@ -581,12 +641,18 @@ class GradScaler:
             self._counters.record(found_inf, state.scale, new_state.scale)
         self._state = new_state
         self._per_optimizer = {}
+        if self._pow2 is not None:
+            if new_scale is not None:
+                self._pow2.saw(value)
+            else:
+                self._pow2.updated(new_state.scale)
         if found_inf is not None and self._counters is not None:
             self._monitor.after_update(found_inf, state.scale, new_state.scale, self._counters)
         if self._max_consecutive_skips is not None and found_inf is not None:
             self._check_persistent_overflow()
 
-    def _new_scale_tensor(self, new_scale: float | torch.Tensor, state: ScaleState) -> torch.Tensor:
+    def _new_scale_value(self, new_scale: float | torch.Tensor) -> float:
+        """The validated ``new_scale`` as the float32 value the scale will hold."""
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
                 raise InvalidConfigError(
@@ -594,12 +660,8 @@ class GradScaler:
                     f"got a tensor of shape {list(new_scale.shape)} with "
                     f"requires_grad={new_scale.requires_grad}."
                 )
-            self._policy.check_scale("new_scale", float(new_scale.item()))
-            return new_scale.detach().reshape(()).to(
-                device=state.scale.device, dtype=torch.float32, copy=True
-            )
-        value = self._policy.check_scale("new_scale", new_scale)
-        return torch.full((), value, dtype=torch.float32, device=state.scale.device)
+            new_scale = float(new_scale.item())
+        return float32_value(self._policy.check_scale("new_scale", new_scale))
 
     def _check_persistent_overflow(self) -> None:
         assert self._counters is not None and self._max_consecutive_skips is not None
@@ -639,7 +701,10 @@ class GradScaler:
             return 1.0
         if self._state is None:
             return self._init_scale
-        return float(self._state.scale.item())
+        value = float(self._state.scale.item())
+        if self._pow2 is not None:
+            self._pow2.saw(value)  # renews what the fused path knows, for free
+        return value
 
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor without a sync (``None`` before the first ``scale()``)."""
@@ -810,6 +875,8 @@ class GradScaler:
 
     def _replace_policy(self, **changes: Any) -> None:
         self._policy = dataclasses.replace(self._policy, **changes)
+        if self._pow2 is not None:
+            self._pow2.set_policy(self._policy)
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` clean steps."""
@@ -963,6 +1030,7 @@ class GradScaler:
             state["_init_stats"] = self.stats
             state["_state"] = None
             state["_counters"] = None
+            state["_pow2"] = None
             state["_last_found_inf"] = self.last_step_skipped
         return state
 

@@ -1,0 +1,174 @@
+"""Knowing on the host, without waiting for the device, that the scale is a power of two.
+
+For a power of two ``S = 2**e`` with ``-126 <= e <= 127``, ``1/S`` is exact in float32, so
+``grad * (1/S)`` and ``grad / S`` round to the same float32 (or float64) value for every
+``grad``, inf and NaN included. That lets the fused-optimizer path unscale gradients in the
+pass that checks them (which writes every gradient anyway) and hand the optimizer no
+``grad_scale``, so its kernel does not divide and write every gradient a second time, while the
+parameters come out bit for bit as with torch's scaler (see :meth:`GradScaler.step`).
+
+:class:`Pow2Watch` knows this without reading the scale. A scale that starts as a power of two
+stays one under a policy whose factors and bounds are powers of two (``update()`` only
+multiplies by the factors and clamps to the bounds). Its exponent can fall by at most
+``log2(1/backoff_factor)`` per ``update()``, so the watch keeps a lower bound on it from the
+last value it saw. Each time the host reads or sets the scale anyway (``get_scale()``,
+``state_dict()``, ``update(new_scale)``, loading a state dict) the bound is renewed for free.
+Left alone, the bound would fall below ``2**-126`` after some 140 updates at torch's defaults;
+before it does (below ``2**-64``), the watch copies the scale to the host without waiting for
+it (on CUDA: into pinned memory, with an event it polls; on the CPU the value is at hand) and
+renews the bound from that copy once it has landed. So no update ever waits for the device.
+
+The watch assumes the scale changes only through the scaler's methods. Anything it cannot vouch
+for (a policy with other factors, a scale set to a value that is not a power of two, a device
+other than the CPU or CUDA) makes it answer ``False``, and the fused path then checks and
+unscales exactly as torch does.
+
+Example:
+    >>> import torch
+    >>> from ampscaler.policy import ScalePolicy
+    >>> watch = Pow2Watch(ScalePolicy(), torch.device("cpu"))
+    >>> watch.saw(65536.0)
+    >>> watch.exact
+    True
+    >>> watch.saw(3.0e4)   # a scale set by hand to a value that is not a power of two
+    >>> watch.exact
+    False
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .policy import ScalePolicy, float32_value
+
+__all__ = ["Pow2Watch", "pow2_exponent"]
+
+#: The smallest exponent whose reciprocal float32 holds as a normal number.
+LOWEST_EXACT = -126
+#: Below this bound the watch starts copying the scale to the host to renew the bound.
+RENEW_BELOW = -64
+
+
+def pow2_exponent(value: float | None) -> int | None:
+    """``e`` when ``value`` is exactly ``2**e`` (a positive finite power of two), else ``None``.
+
+    Example:
+        >>> pow2_exponent(65536.0), pow2_exponent(0.25), pow2_exponent(3.0), pow2_exponent(None)
+        (16, -2, None, None)
+    """
+    if value is None or not (value > 0.0 and math.isfinite(value)):
+        return None
+    mantissa, exponent = math.frexp(value)
+    return exponent - 1 if mantissa == 0.5 else None
+
+
+class _HostCopy:
+    """The scale as it was at update number ``at``, copied to the host without waiting."""
+
+    def __init__(self, scale: torch.Tensor, at: int) -> None:
+        self.at = at
+        self._event: torch.cuda.Event | None = None
+        if scale.device.type == "cuda":
+            self._value = torch.empty((), dtype=scale.dtype, pin_memory=True)
+            self._value.copy_(scale, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+        else:  # the CPU: the scaler never modifies a scale tensor in place
+            self._value = scale
+
+    def landed(self) -> bool:
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def value(self) -> float:
+        return float(self._value)
+
+
+class Pow2Watch:
+    """Whether the scale is known to be a power of two with an exact float32 reciprocal.
+
+    Args:
+        policy: the scale policy in force (see :meth:`set_policy` for changes).
+        device: the scale's device.
+    """
+
+    def __init__(self, policy: ScalePolicy, device: torch.device) -> None:
+        self._device_ok = device.type in ("cpu", "cuda")
+        self._updates = 0
+        # A lower bound on the scale's exponent as of update number _known_at (None: the
+        # scale is not known to be a power of two).
+        self._known: int | None = None
+        self._known_at = 0
+        self._pending: _HostCopy | None = None
+        self._drop: int | None = None
+        self._floor: int | None = None
+        self.set_policy(policy)
+
+    def set_policy(self, policy: ScalePolicy) -> None:
+        """Use ``policy`` for the updates from now on."""
+        self._renew_from_bound()
+        self._drop = _exponent_drop(policy)
+        self._floor = pow2_exponent(
+            None if policy.min_scale is None else float32_value(policy.min_scale)
+        )
+        if self._drop is None:
+            self._known = None
+
+    def saw(self, value: float) -> None:
+        """The host read (or set) the scale's current value: ``value``."""
+        self._known = pow2_exponent(value) if self._drop is not None else None
+        self._known_at = self._updates
+        self._pending = None
+
+    def updated(self, scale: torch.Tensor) -> None:
+        """One ``update()`` ran; ``scale`` is the new scale tensor (on the device)."""
+        self._updates += 1
+        bound = self._bound()
+        if bound is not None and bound < RENEW_BELOW and self._pending is None:
+            self._pending = _HostCopy(scale, self._updates)  # adopted by `exact` once landed
+
+    @property
+    def exact(self) -> bool:
+        """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now."""
+        if not self._device_ok:
+            return False
+        self._adopt_landed()
+        bound = self._bound()
+        return bound is not None and bound >= LOWEST_EXACT
+
+    def _bound(self) -> int | None:
+        """A lower bound on the scale's exponent now (``None``: not known to be a power of 2)."""
+        if self._known is None or self._drop is None:
+            return None
+        bound = self._known - self._drop * (self._updates - self._known_at)
+        return bound if self._floor is None else max(bound, self._floor)
+
+    def _adopt_landed(self) -> None:
+        pending = self._pending
+        if pending is not None and pending.landed():
+            self._pending = None
+            if self._drop is not None:
+                self._known = pow2_exponent(pending.value())
+                self._known_at = pending.at
+
+    def _renew_from_bound(self) -> None:
+        # Before the factors change, fold the updates so far into the bound: the new backoff
+        # factor only applies to the updates that come after.
+        self._known = self._bound()
+        self._known_at = self._updates
+        self._pending = None
+
+
+def _exponent_drop(policy: ScalePolicy) -> int | None:
+    """How far the scale's exponent can fall per ``update()`` under ``policy`` (0 for a static
+    scale), or ``None`` when the policy can turn a power of two into something else."""
+    if not policy.dynamic:
+        return 0
+    bounds = [b for b in (policy.min_scale, policy.max_scale) if b is not None]
+    if pow2_exponent(policy.growth_factor) is None or any(
+        pow2_exponent(float32_value(b)) is None for b in bounds
+    ):
+        return None
+    backoff = pow2_exponent(policy.backoff_factor)
+    return None if backoff is None else -backoff

@@ -1,0 +1,246 @@
+"""The fused-optimizer path: unscaling in the check pass when the scale is a power of two.
+
+When the scale is known to be ``2**e`` (``e >= -126``), ampscaler multiplies the gradients by
+``1/scale`` in the check pass and hands the optimizer ``grad_scale=None``; torch's scaler checks
+(multiplying by 1) and lets the kernel divide by ``grad_scale``. Both must give the same
+parameters, optimizer state and (after clean steps) gradients, bit for bit. Every test here
+also asserts which route was taken, so a silently disabled fast path fails too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ampscaler
+
+FUSED = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
+}
+
+Routes = list[str]
+
+
+def _record_routes(optimizer: torch.optim.Optimizer, routes: Routes) -> None:
+    """Note, at every optimizer step, whether a scaler handed it a grad_scale."""
+
+    def note(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if hasattr(opt, "found_inf"):
+            routes.append("kernel" if opt.grad_scale is not None else "check")
+
+    optimizer.register_step_pre_hook(note)
+
+
+def _train(
+    factory: Callable[..., Any],
+    make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    *,
+    dtype: torch.dtype = torch.float32,
+    steps: int = 12,
+    overflow_at: tuple[int, ...] = (3, 7),
+    scaler_kwargs: dict[str, Any] | None = None,
+    between: Callable[[Any, int], None] | None = None,
+    read_scale: bool = True,
+) -> tuple[list[torch.Tensor], Routes]:
+    """Train a tiny model; return parameters, optimizer state, gradients (after clean steps)
+    and, with ``read_scale``, the scale after each step; and the route of each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model.to(dtype)
+    opt = make_opt(list(model.parameters()))
+    routes: Routes = []
+    _record_routes(opt, routes)
+    scaler = factory("cpu", **(scaler_kwargs or {"init_scale": 2.0**10, "growth_interval": 2}))
+    gen = torch.Generator().manual_seed(1)
+    trace: list[torch.Tensor] = []
+    for step in range(steps):
+        x = torch.randn(4, 5, generator=gen).to(dtype)
+        loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        if step in overflow_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        trace += [p.detach().clone() for p in model.parameters()]
+        trace += [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+        if step not in overflow_at:
+            trace += [p.grad.clone() for p in model.parameters()]
+        if read_scale:
+            trace.append(torch.tensor(scaler.get_scale()))
+        if between is not None:
+            between(scaler, step)
+        opt.zero_grad(set_to_none=False)
+    return trace, routes
+
+
+def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for index, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.dtype == y.dtype and torch.equal(x.nan_to_num(), y.nan_to_num()), index
+        assert torch.equal(x.isnan(), y.isnan()), index
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_unscaling_in_the_check_matches_torch(name: str, dtype: torch.dtype) -> None:
+    ours, routes = _train(ampscaler.GradScaler, FUSED[name], dtype=dtype)
+    theirs, torch_routes = _train(torch.amp.GradScaler, FUSED[name], dtype=dtype)
+    _assert_same(ours, theirs)
+    assert routes == ["check"] * 12
+    assert torch_routes == ["kernel"] * 12
+
+
+@pytest.mark.parametrize(
+    ("why", "kwargs"),
+    [
+        ("scale not a power of two", {"init_scale": 3.0e3, "growth_interval": 2}),
+        ("growth factor not a power of two", {"init_scale": 2.0**10, "growth_factor": 3.0}),
+        ("backoff factor not a power of two", {"init_scale": 2.0**10, "backoff_factor": 0.3}),
+        ("max_scale not a power of two", {"init_scale": 2.0**10, "max_scale": 5000.0}),
+    ],
+)
+def test_other_scales_take_torchs_route(why: str, kwargs: dict[str, Any]) -> None:
+    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], scaler_kwargs=kwargs)
+    assert routes == ["kernel"] * 12, why
+    if "max_scale" not in kwargs:  # an option torch's scaler does not have
+        theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], scaler_kwargs=kwargs)
+        _assert_same(ours, theirs)
+
+
+def test_power_of_two_bounds_keep_the_fast_route() -> None:
+    kwargs = {"init_scale": 2.0**10, "min_scale": 2.0**8, "max_scale": 2.0**12}
+    _, routes = _train(ampscaler.GradScaler, FUSED["adam"], scaler_kwargs=kwargs)
+    assert routes == ["check"] * 12
+
+
+def test_the_route_follows_scales_set_by_hand() -> None:
+    def set_scale(scaler: Any, step: int) -> None:
+        if step == 3:
+            scaler.update(3000.0)  # not a power of two: torch's route from here
+        if step == 7:
+            scaler.update(torch.tensor(2.0**9))  # a power of two again
+        if step == 9:
+            scaler.set_growth_factor(3.0)  # could leave powers of two: torch's route
+
+    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], between=set_scale)
+    theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], between=set_scale)
+    _assert_same(ours, theirs)
+    assert routes == ["check"] * 4 + ["kernel"] * 4 + ["check"] * 2 + ["kernel"] * 2
+
+
+def test_a_loaded_checkpoint_sets_the_route() -> None:
+    def reload(scaler: Any, step: int) -> None:
+        if step in (2, 6):
+            state = scaler.state_dict()
+            state["scale"] = 3000.0 if step == 2 else 4096.0
+            scaler.load_state_dict(state)
+
+    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], between=reload)
+    theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], between=reload)
+    _assert_same(ours, theirs)
+    assert routes == ["check"] * 3 + ["kernel"] * 4 + ["check"] * 5
+
+
+def test_float16_gradients_are_left_to_the_kernel() -> None:
+    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], dtype=torch.float16)
+    theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], dtype=torch.float16)
+    _assert_same(ours, theirs)
+    assert routes == ["kernel"] * 12
+
+
+def test_optimizers_other_than_torchs_own_are_left_to_the_kernel() -> None:
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    ours, routes = _train(ampscaler.GradScaler, lambda ps: MyAdam(ps, lr=1e-2, fused=True))
+    theirs, _ = _train(torch.amp.GradScaler, lambda ps: MyAdam(ps, lr=1e-2, fused=True))
+    _assert_same(ours, theirs)
+    assert routes == ["kernel"] * 12
+
+
+def test_a_grad_scale_set_on_the_optimizer_is_multiplied_in_as_torch_does() -> None:
+    def make(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = torch.optim.Adam(ps, lr=1e-2, fused=True)
+        opt.grad_scale = torch.tensor(4.0)  # type: ignore[attr-defined]
+        return opt
+
+    ours, routes = _train(ampscaler.GradScaler, make, steps=4)
+    theirs, _ = _train(torch.amp.GradScaler, make, steps=4)
+    _assert_same(ours, theirs)
+    # Both scalers delete the attribute after the first step.
+    assert routes == ["kernel"] + ["check"] * 3
+
+
+def test_master_weights_around_a_fused_optimizer_take_the_fast_route() -> None:
+    def make(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return ampscaler.MasterWeightOptimizer(torch.optim.Adam(ps, lr=1e-2, fused=True))
+
+    routes: Routes = []
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).half()
+    opt = make(list(model.parameters()))
+    _record_routes(opt.inner, routes)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**8)
+    for _ in range(3):
+        scaler.scale(model(torch.ones(2, 4, dtype=torch.float16)).float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert routes == ["check"] * 3
+
+
+def test_skipped_steps_leave_the_gradients_unscaled() -> None:
+    """The one visible difference: on a skipped step torch's fused route leaves the gradients
+    scaled (its kernel returns before dividing); ampscaler's are unscaled, as on the plain
+    route of both."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**6)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    model.bias.grad.fill_(float("nan"))
+    scaled = model.weight.grad.clone()
+    scaler.step(opt)
+    assert torch.equal(model.weight.grad, scaled / 2.0**6)
+    assert scaler.last_step_skipped
+
+
+def test_the_route_survives_long_runs_without_reading_the_scale() -> None:
+    """At a bound of 2**-64 the watch renews itself from the scale, so a long run whose scale
+    goes up and down never falls back to torch's route."""
+    steps = 400
+    # Grow, back off, grow, ... (not from step 0: torch's fused SGD leaves its momentum
+    # buffer uninitialized when its first step is skipped, with either scaler.)
+    overflow_at = tuple(range(1, steps, 2))
+
+    kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
+    _, routes = _train(
+        ampscaler.GradScaler, FUSED["sgd"], steps=steps, overflow_at=overflow_at,
+        scaler_kwargs=kwargs, read_scale=False,
+    )
+    assert routes == ["check"] * steps
+
+
+def test_a_scale_below_two_to_the_minus_126_takes_torchs_route() -> None:
+    """Backing off 150 times in a row takes the scale to 2**-134, whose reciprocal float32
+    cannot hold; torch's route is taken there, and the results still match torch's."""
+    kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
+    overflow_at = tuple(range(150))
+    ours, routes = _train(
+        ampscaler.GradScaler, FUSED["adam"], steps=162, overflow_at=overflow_at,
+        scaler_kwargs=kwargs, read_scale=False,
+    )
+    theirs, _ = _train(
+        torch.amp.GradScaler, FUSED["adam"], steps=162, overflow_at=overflow_at,
+        scaler_kwargs=kwargs, read_scale=False,
+    )
+    _assert_same(ours, theirs)
+    # Step k sees 2**(16 - k) for k < 150, then the clean steps grow it back by 2 each:
+    # 2**-134 at step 150, 2**-126 at step 158.
+    assert routes == ["check"] * 143 + ["kernel"] * 15 + ["check"] * 4

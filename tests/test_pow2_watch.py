@@ -1,0 +1,153 @@
+"""Pow2Watch against the real policy transition: it may only say ``exact`` when the scale is a
+power of two at least ``2**-126``, and on the CPU (where its renewals land at once) it must say
+so whenever that holds and the policy keeps powers of two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ampscaler.policy import ScalePolicy, adjust, float32_value, initial_state
+from ampscaler.pow2 import RENEW_BELOW, Pow2Watch, pow2_exponent
+
+CPU = torch.device("cpu")
+POW2_GROWTH = st.sampled_from([2.0, 4.0, 2.0**10])
+POW2_BACKOFF = st.sampled_from([0.5, 0.25, 2.0**-30])
+EXPONENTS = st.integers(-149, 127)
+
+
+@st.composite
+def pow2_policies(draw: st.DrawFn) -> tuple[ScalePolicy, float]:
+    low, start, high = sorted(draw(st.lists(EXPONENTS, min_size=3, max_size=3)))
+    policy = ScalePolicy(
+        growth_factor=draw(POW2_GROWTH),
+        backoff_factor=draw(POW2_BACKOFF),
+        growth_interval=draw(st.integers(1, 3)),
+        hysteresis=draw(st.integers(1, 3)),
+        min_scale=draw(st.sampled_from([None, 2.0**low])),
+        max_scale=draw(st.sampled_from([None, 2.0**high])),
+        dynamic=draw(st.booleans()),
+    )
+    return policy, 2.0**start
+
+
+def _truly_exact(scale: torch.Tensor) -> bool:
+    exponent = pow2_exponent(float(scale))
+    return exponent is not None and exponent >= -126
+
+
+@settings(max_examples=120, deadline=None)
+@given(setup=pow2_policies(), flags=st.lists(st.booleans(), min_size=1, max_size=400))
+def test_exact_iff_the_scale_is_an_exactly_invertible_power_of_two(
+    setup: tuple[ScalePolicy, float], flags: list[bool]
+) -> None:
+    policy, start = setup
+    state = initial_state(policy, start, CPU)
+    watch = Pow2Watch(policy, CPU)
+    watch.saw(start)
+    assert watch.exact == _truly_exact(state.scale)
+    for overflow in flags:
+        state = adjust(policy, state, torch.tensor(float(overflow)))
+        watch.updated(state.scale)
+        assert watch.exact == _truly_exact(state.scale), float(state.scale)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    setup=pow2_policies(),
+    events=st.lists(
+        st.one_of(
+            st.booleans(),  # an update that overflowed or not
+            st.floats(min_value=1e-30, max_value=1e30),  # a scale set by hand
+            st.sampled_from([3.0, 2.0, 0.3, 0.5]),  # a new growth or backoff factor
+        ),
+        max_size=120,
+    ),
+)
+def test_never_exact_when_the_scale_is_not_a_power_of_two(
+    setup: tuple[ScalePolicy, float], events: list[object]
+) -> None:
+    policy, start = setup
+    policy = ScalePolicy(growth_factor=policy.growth_factor, backoff_factor=policy.backoff_factor)
+    state = initial_state(policy, start, CPU)
+    watch = Pow2Watch(policy, CPU)
+    watch.saw(start)
+    for event in events:
+        if isinstance(event, bool):
+            state = adjust(policy, state, torch.tensor(float(event)))
+            watch.updated(state.scale)
+        elif event in (3.0, 2.0):
+            policy = ScalePolicy(growth_factor=event, backoff_factor=policy.backoff_factor)
+            watch.set_policy(policy)
+        elif event in (0.3, 0.5):
+            policy = ScalePolicy(growth_factor=policy.growth_factor, backoff_factor=event)
+            watch.set_policy(policy)
+        else:
+            assert isinstance(event, float)
+            state = state._replace(scale=torch.tensor(event, dtype=torch.float32))
+            watch.saw(float32_value(event))
+        if watch.exact:
+            assert _truly_exact(state.scale), float(state.scale)
+
+
+def test_renewals_read_the_scale_only_when_the_bound_runs_low() -> None:
+    """From 2**16 with backoff 1/2 the bound drops by one per update, so the first renewal
+    comes after 81 updates; the scale (here going 2**15, 2**16, ...) is read then, not at
+    every update."""
+    reads: list[float] = []
+
+    class CountingScale(torch.Tensor):
+        def __float__(self) -> float:
+            reads.append(1.0)
+            return super().__float__()
+
+    policy = ScalePolicy(growth_interval=1)
+    watch = Pow2Watch(policy, CPU)
+    watch.saw(2.0**16)
+    state = initial_state(policy, 2.0**16, CPU)
+    for update in range(1, 200):
+        state = adjust(policy, state, torch.tensor(float(update % 2)))
+        watch.updated(state.scale.as_subclass(CountingScale))
+        assert watch.exact
+        if update == 16 - RENEW_BELOW:
+            assert reads == []
+    assert len(reads) == 2  # after updates 81 and 161
+
+
+@pytest.mark.parametrize(
+    ("policy", "drop"),
+    [
+        (ScalePolicy(), 1),
+        (ScalePolicy(backoff_factor=0.25), 2),
+        (ScalePolicy(dynamic=False, growth_factor=3.0), 0),
+        (ScalePolicy(growth_factor=3.0), None),
+        (ScalePolicy(backoff_factor=0.3), None),
+        (ScalePolicy(min_scale=3.0), None),
+        (ScalePolicy(max_scale=2.0**20, min_scale=2.0**-3), 1),
+    ],
+)
+def test_which_policies_keep_powers_of_two(policy: ScalePolicy, drop: int | None) -> None:
+    watch = Pow2Watch(policy, CPU)
+    watch.saw(1024.0)
+    assert watch.exact == (drop is not None)
+
+
+def test_devices_without_a_way_to_renew_are_never_exact() -> None:
+    watch = Pow2Watch(ScalePolicy(), torch.device("meta"))
+    watch.saw(1024.0)
+    assert not watch.exact
+
+
+def test_a_changed_backoff_applies_only_to_later_updates() -> None:
+    watch = Pow2Watch(ScalePolicy(backoff_factor=2.0**-30), CPU)
+    watch.saw(2.0**120)
+    scale = torch.tensor(2.0**100)
+    for _ in range(4):  # bound: 120 - 4 * 30 = 0
+        watch.updated(scale)
+    watch.set_policy(ScalePolicy(backoff_factor=0.5))
+    for _ in range(60):  # 0 - 60 = -60, still above the renewal bound: nothing read
+        watch.updated(scale)
+    assert watch.exact
+    assert watch._bound() == -60
