@@ -72,9 +72,9 @@ class _HostCopy:
         self._event: torch.cuda.Event | None = None
         if scale.device.type == "cuda":
             self._value = torch.empty((), dtype=scale.dtype, pin_memory=True)
-            self._value.copy_(scale, non_blocking=True)
+            self._value.copy_(scale, non_blocking=True)  # on the scale device's current stream
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(scale.device))
         else:  # the CPU: the scaler never modifies a scale tensor in place
             self._value = scale
 
