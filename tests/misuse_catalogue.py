@@ -118,6 +118,15 @@ CASES: tuple[Misuse, ...] = (
         ("max_consecutive_skips", "int"), in_torch=False,
     ),
     Misuse(_C, 'GradScaler("cpu", dynamic="no")', _CFG, ("dynamic",), in_torch=False),
+    Misuse(
+        _C, 'GradScaler("cpu", policy=ScalePolicy(), hysteresis=2)', _CFG,
+        ("policy=", "hysteresis"), in_torch=False,
+    ),
+    Misuse(
+        _C, 'GradScaler("cpu", policy={"hysteresis": 2})', _CFG, ("policy", "ScalePolicy"),
+        in_torch=False,
+    ),
+    Misuse(_C, 'GradScaler("cpu", flat_grads="yes")', _CFG, ("flat_grads",), in_torch=False),
     Misuse(_O, "scaler.step(opt)", _USE, ("step()", "scaler.scale(loss)"), "model"),
     Misuse(_O, "scaler.unscale_(opt)", _USE, ("unscale_()", "scaler.scale(loss)"), "model"),
     Misuse(_O, "scaler.update()", _USE, ("update()", "scaler.scale(loss)"), "model"),
@@ -209,6 +218,10 @@ CASES: tuple[Misuse, ...] = (
         ("_hysteresis_tracker", "hysteresis"), "model", in_torch=False,
     ),
     Misuse(_S, "scaler.step(opt); copy.deepcopy(scaler)", _USE, ("pickled",), "backward"),
+    Misuse(
+        _K, 'GradScaler("cpu", policy=StaticPolicy()).set_growth_factor(4.0)', _USE,
+        ("never moves", "ScalePolicy"), in_torch=False,
+    ),
     Misuse(_K, "scaler.set_growth_factor(0.5)", _CFG, ("growth_factor",), "model"),
     Misuse(_K, "scaler.set_backoff_factor(1.5)", _CFG, ("backoff_factor",), "model"),
     Misuse(_K, "scaler.set_growth_interval(0)", _CFG, ("growth_interval",), "model"),
@@ -218,7 +231,10 @@ CASES: tuple[Misuse, ...] = (
 
 def run(case: Misuse, factory: type) -> BaseException | None:
     """Run ``case`` against a scaler class; the exception it raised, or ``None``."""
-    namespace = {"torch": torch, "copy": copy, "GradScaler": factory}
+    namespace = {
+        "torch": torch, "copy": copy, "GradScaler": factory,
+        "ScalePolicy": ampscaler.ScalePolicy, "StaticPolicy": ampscaler.StaticPolicy,
+    }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exec(PRELUDES[case.prelude], namespace)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from ampscaler.policy import Policy, ScalePolicy, StaticPolicy
 from reference import RefConfig
 
 # Scales from tiny to a hair below float32's maximum, where growth must stop short of inf.
@@ -52,6 +53,9 @@ def setups(
         )
     values = sorted(draw(st.lists(SCALES, min_size=3, max_size=3)))
     low, init_scale, high = values
+    limit = draw(st.one_of(st.none(), st.integers(1, 4))) if skip_limits else None
+    if not draw(st.booleans()):  # static: the dynamic rule's arguments do not apply
+        return Setup(RefConfig(dynamic=False), init_scale, limit)
     config = RefConfig(
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
@@ -59,7 +63,14 @@ def setups(
         hysteresis=draw(st.integers(1, 4)),
         min_scale=draw(st.sampled_from([None, low])),
         max_scale=draw(st.sampled_from([None, high])),
-        dynamic=draw(st.booleans()),
     )
-    limit = draw(st.one_of(st.none(), st.integers(1, 4))) if skip_limits else None
     return Setup(config, init_scale, limit)
+
+
+def policy_of(config: RefConfig) -> Policy:
+    """The ampscaler policy object that ``config`` describes."""
+    if not config.dynamic:
+        return StaticPolicy()
+    rule = config.scaler_kwargs()
+    del rule["dynamic"]
+    return ScalePolicy(**rule)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Tests of the demo's model, data, underflow probe and one-arm training (ampscaler.demo)."""
+"""Tests of the demo's model, data, underflow measurement and one-arm training (ampscaler.demo)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from ampscaler import StepRecord
 from ampscaler.demo import (
     FP16_AMPSCALER,
     FP16_NO_SCALING,
@@ -14,17 +15,16 @@ from ampscaler.demo import (
     Arm,
     ArmResult,
     DemoConfig,
-    StepRecord,
     TaskSpec,
-    UnderflowProbe,
+    activation_probe,
     batches,
     build_student,
     compute_loss,
-    count_underflow,
     standard_arms,
     tail_mean,
     train_arm,
 )
+from ampscaler.observe.probe import count_underflow
 
 SHORT = DemoConfig(steps=30, probe_every=5)
 
@@ -105,14 +105,18 @@ def test_count_underflow_rejects_mismatched_shapes() -> None:
         count_underflow(torch.zeros(3), torch.zeros(4))
 
 
-def test_probe_hooks_are_removed_after_capture() -> None:
+def test_probe_sees_the_linear_layers_and_its_hooks_are_removed_after_detach() -> None:
     model = build_student(TaskSpec(batch_size=4), 0)
     x, y = next(batches(TaskSpec(batch_size=4), 0))
-    probe = UnderflowProbe(model)
-    with probe.capture() as grads:
-        compute_loss(model, x, y, fp16=False).backward()
+    probe = activation_probe(model, every=1)
+    compute_loss(model, x, y, fp16=False).backward()
+    pending = probe.end_iteration()
+    assert pending is not None
+    grads = pending.read(scale=1.0).module_counts
+    probe.detach()
     assert set(grads) == {"hidden1", "hidden2", "hidden3", "output"}
     assert all(not m._backward_hooks for m in model.modules())
+    assert all(not m._forward_hooks for m in model.modules())
 
 
 # --- training one arm -----------------------------------------------------------------------

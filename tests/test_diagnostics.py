@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import ampscaler
-from ampscaler import GradScaler, diagnostics
-from ampscaler.tracer import LOSS_ORIGIN, NonFiniteTracer
+from ampscaler import GradScaler
+from ampscaler.observe import localize
+from ampscaler.observe.localize import LOSS_ORIGIN, NonFiniteTracer
+from ampscaler.observe.probe import UnderflowCounts
 from training_loop import Net, run_loop
 
 INF, NAN = float("inf"), float("nan")
@@ -82,7 +84,7 @@ def test_unwatched_parameters_are_named_by_position_and_prefixes_keep_models_apa
     scaler.update()
     renamed = GradScaler("cpu")
     renamed.watch(encoder=encoder, decoder=decoder)
-    report = diagnostics.locate_overflow([optimizer], renamed._monitor.names, step=0)
+    report = localize.locate_overflow([optimizer], renamed._monitor.names, step=0)
     assert report.kinds == {"encoder.weight": "nan", "decoder.bias": "inf"}
 
 
@@ -90,13 +92,13 @@ def test_sparse_and_empty_gradients_are_localized() -> None:
     embed = torch.nn.Embedding(10, 4, sparse=True)
     empty = torch.nn.Parameter(torch.zeros(0))
     optimizer = torch.optim.SGD([*embed.parameters(), empty], lr=0.1)
-    names = diagnostics.ParamNames()
+    names = localize.ParamNames()
     names.watch(embed, prefix="embed")
     embed(torch.tensor([1, 2])).sum().backward()
     empty.grad = torch.zeros(0)
     assert embed.weight.grad is not None
     embed.weight.grad._values()[1, 3] = -INF
-    report = diagnostics.locate_overflow([optimizer], names, step=4, scale=2.0)
+    report = localize.locate_overflow([optimizer], names, step=4, scale=2.0)
     assert report.names == ["embed.weight"] and report.kinds == {"embed.weight": "inf"}
     assert (report.step, report.scale, report.rank) == (4, 2.0, None)
 
@@ -105,7 +107,7 @@ def test_sparse_and_empty_gradients_are_localized() -> None:
 def localizations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every localization pass ("locate") and tracer judgement ("origin"), in order."""
     calls: list[str] = []
-    locate, origin = diagnostics.locate_overflow, NonFiniteTracer.origin
+    locate, origin = localize.locate_overflow, NonFiniteTracer.origin
 
     def counting_locate(*args: Any, **kwargs: Any) -> Any:
         calls.append("locate")
@@ -115,7 +117,7 @@ def localizations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append("origin")
         return origin(events)
 
-    monkeypatch.setattr(diagnostics, "locate_overflow", counting_locate)
+    monkeypatch.setattr(localize, "locate_overflow", counting_locate)
     monkeypatch.setattr(NonFiniteTracer, "origin", staticmethod(counting_origin))
     return calls
 
@@ -320,3 +322,59 @@ def test_probe_headroom_is_negative_infinity_on_overflow_and_results_round_trip(
     assert record.skipped and record.probe is not None
     assert record.probe.headroom_log2 == -INF
     assert ampscaler.StepRecord.from_dict(record.as_dict()) == record
+
+
+def test_probe_held_against_an_fp32_reference_leaves_out_elements_without_signal() -> None:
+    """Behind a ReLU, half of the first layer's output gradient is exactly zero in fp32 too:
+    with a reference those elements carry no signal; without one they look flushed."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]]))
+        model[0].bias.zero_()
+        model[2].weight.fill_(1e-3)  # a normal fp16 number
+    probe = ampscaler.GradientProbe(every=1, worst_modules=None)
+    probe.watch(model)
+
+    def backward(fp16: bool) -> None:
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            out = model(torch.ones(1, 2))
+        out.float().sum().backward()
+
+    with probe.reference():
+        backward(fp16=False)
+    backward(fp16=True)
+    first = probe.end_iteration()
+    backward(fp16=True)
+    second = probe.end_iteration()
+    assert first is not None and second is not None
+    assert first.read(1.0).module_counts["0"] == UnderflowCounts(2, underflowed=0, flushed=0)
+    assert second.read(1.0).module_counts["0"] == UnderflowCounts(4, underflowed=2, flushed=2)
+    model(torch.ones(1, 2)).sum().backward()
+    fp32 = probe.end_iteration()  # an fp32 gradient is its own reference
+    assert fp32 is not None and fp32.read(1.0).module_counts["0"].carrying_signal == 2
+    probe.detach()
+    assert _hooked_modules(model) == []
+
+
+def test_a_disabled_scaler_takes_a_probe_and_tracer_but_hooks_nothing() -> None:
+    model = Net()
+    scaler = GradScaler("cpu", enabled=False)
+    scaler.watch(model)
+    scaler.attach(ampscaler.GradientProbe())
+    scaler.attach(ampscaler.NonFiniteTracer())
+    scaler.watch(head=model.head)
+    assert _hooked_modules(model) == []
+    assert all(not p._backward_hooks for p in model.parameters())
+
+
+def test_a_probe_attached_after_watch_taps_the_watched_models() -> None:
+    model = Net()
+    scaler = GradScaler("cpu", history_size=3)
+    scaler.watch(model)
+    scaler.attach(ampscaler.GradientProbe(every=2))
+    assert _hooked_modules(model) == ["body.0", "body.1", "body.2", "head"]
+    run_loop(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
+    assert [r.probe is not None and bool(r.probe.modules) for r in scaler.history] == [
+        True, False, True
+    ]

@@ -1,4 +1,4 @@
-"""The remembered gradient grouping (ampscaler.gradplan) never changes results.
+"""Opt-in flat gradient buffers (ampscaler.grads.flat, ``flat_grads=True``) never change results.
 
 Training loops that keep their gradient tensors (``zero_grad(set_to_none=False)``) get a plan:
 gradients moved into flat buffers, checked once per buffer. Each test runs the same loop with
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ampscaler
-from ampscaler.gradplan import GradPlanner
+from ampscaler.grads.flat import GradPlanner
 from twins import Trace, assert_same_trace
 
 STEPS = 8
@@ -74,7 +74,8 @@ def run(
     model = Net()
     params = [*model.body.parameters(), *(model.head.parameters() if train_head else ())]
     opt = make_optimizer(params, kind)
-    scaler = factory("cpu", init_scale=2.0**10, growth_interval=2)
+    flat = {"flat_grads": True} if factory is ampscaler.GradScaler else {}
+    scaler = factory("cpu", init_scale=2.0**10, growth_interval=2, **flat)
     gen = torch.Generator().manual_seed(1)
     trace = PlanTrace()
     for step in range(STEPS):
@@ -241,17 +242,17 @@ def test_parameters_reordered_in_their_group(kind: str) -> None:
 
 def test_replaced_gradients_every_step_match_torch_and_rarely_plan() -> None:
     builds = []
-    original = ampscaler.gradplan.build_plan
+    original = ampscaler.grads.flat.build_plan
 
     def counting(*args: Any) -> Any:
         builds.append(1)
         return original(*args)
 
-    ampscaler.gradplan.build_plan = counting  # type: ignore[assignment]
+    ampscaler.grads.flat.build_plan = counting  # type: ignore[assignment]
     try:
         side_by_side("sgd", set_to_none=lambda step: True)
     finally:
-        ampscaler.gradplan.build_plan = original  # type: ignore[assignment]
+        ampscaler.grads.flat.build_plan = original  # type: ignore[assignment]
     # Ids of freed gradients may be reused, which can look like kept gradients; each wrong
     # guess doubles the wait for the next one.
     assert len(builds) <= 3
@@ -320,15 +321,15 @@ def test_scaler_with_a_plan_copies_and_pickles_without_it() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ampscaler.GradScaler("cpu")
+    scaler = ampscaler.GradScaler("cpu", flat_grads=True)
     for _ in range(3):
         scaler.scale(model(torch.ones(1, 3)).sum()).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=False)
-    assert scaler._planner._entries[opt].plan is not None
+    assert scaler._planner is not None and scaler._planner._entries[opt].plan is not None
     for clone in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
-        assert len(clone._planner._entries) == 0
+        assert clone._planner is not None and len(clone._planner._entries) == 0
         assert clone.get_scale() == scaler.get_scale()
 
 
@@ -366,3 +367,26 @@ def test_after_a_change_the_gradients_move_into_one_new_buffer() -> None:
     (new,) = groups
     assert new.untyped_storage().data_ptr() != old_memory
     assert torch.equal(new, torch.tensor([1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_by_default_no_gradient_moves(kind: str) -> None:
+    """Without flat_grads=True the user's gradient memory stays where backward() put it, and
+    the check still runs on the gradients themselves."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer(list(model.parameters()), kind)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    pointers: list[int] = []
+    for step in range(6):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(5, 6))
+        scaler.scale(out.float().pow(2).mean()).backward()
+        now = [p.grad.data_ptr() for p in model.parameters() if p.grad is not None]
+        assert not pointers or now == pointers, step
+        pointers = now
+        scaler.step(opt)
+        scaler.update()
+        assert [p.grad.data_ptr() for p in model.parameters() if p.grad is not None] == pointers
+        opt.zero_grad(set_to_none=False)
+    assert scaler._planner is None

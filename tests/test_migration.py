@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from ampscaler.policy import ScalePolicy, adjust, initial_state
+from ampscaler.policy import ScalePolicy, initial_state
 
 
 def deepspeed_scales(
@@ -60,7 +60,7 @@ def ampscaler_scales(
     policy = ScalePolicy(growth_interval=window, hysteresis=hysteresis, min_scale=min_scale)
     state = initial_state(policy, init, torch.device("cpu"))
     for overflow in overflows:
-        state = adjust(policy, state, torch.tensor(float(overflow)))
+        state = policy.adjust(state, torch.tensor(float(overflow)))
         yield state.scale.item()
 
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampscaler
-from ampscaler.policy import ScalePolicy, adjust, initial_state
-from policy_strategies import Setup, setups
+from ampscaler.policy import initial_state
+from policy_strategies import Setup, policy_of, setups
 from reference import Reference
 
 # None: a clean step; otherwise (parameter, value) written into one gradient element.
@@ -32,13 +32,13 @@ PATTERNS = st.lists(POISON, min_size=1, max_size=30)
 @settings(max_examples=150, deadline=None)
 @given(setup=setups(skip_limits=False), pattern=st.lists(st.booleans(), max_size=60))
 def test_adjust_matches_reference(setup: Setup, pattern: list[bool]) -> None:
-    policy = ScalePolicy(**setup.config.scaler_kwargs())
+    policy = policy_of(setup.config)
     state = initial_state(policy, setup.init_scale, torch.device("cpu"))
     ref = Reference(setup.config, setup.init_scale)
     for overflow in pattern:
         before = state
         snapshot = [t.clone() for t in before]
-        state = adjust(policy, state, torch.tensor(float(overflow)))
+        state = policy.adjust(state, torch.tensor(float(overflow)))
         assert all(torch.equal(a, b) for a, b in zip(before, snapshot, strict=True))
         ref.adjust(overflow)
         assert float(state.scale) == ref.scale

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ampscaler.policy import ScalePolicy, adjust, float32_value, initial_state
-from ampscaler.pow2 import RENEW_BELOW, Pow2Watch, pow2_exponent
+from ampscaler.grads.pow2 import RENEW_BELOW, Pow2Watch, pow2_exponent
+from ampscaler.policy import Policy, ScalePolicy, StaticPolicy, float32_value, initial_state
 
 CPU = torch.device("cpu")
 POW2_GROWTH = st.sampled_from([2.0, 4.0, 2.0**10])
@@ -19,8 +19,10 @@ EXPONENTS = st.integers(-149, 127)
 
 
 @st.composite
-def pow2_policies(draw: st.DrawFn) -> tuple[ScalePolicy, float]:
+def pow2_policies(draw: st.DrawFn) -> tuple[Policy, float]:
     low, start, high = sorted(draw(st.lists(EXPONENTS, min_size=3, max_size=3)))
+    if not draw(st.booleans()):
+        return StaticPolicy(), 2.0**start
     policy = ScalePolicy(
         growth_factor=draw(POW2_GROWTH),
         backoff_factor=draw(POW2_BACKOFF),
@@ -28,7 +30,6 @@ def pow2_policies(draw: st.DrawFn) -> tuple[ScalePolicy, float]:
         hysteresis=draw(st.integers(1, 3)),
         min_scale=draw(st.sampled_from([None, 2.0**low])),
         max_scale=draw(st.sampled_from([None, 2.0**high])),
-        dynamic=draw(st.booleans()),
     )
     return policy, 2.0**start
 
@@ -41,7 +42,7 @@ def _truly_exact(scale: torch.Tensor) -> bool:
 @settings(max_examples=120, deadline=None)
 @given(setup=pow2_policies(), flags=st.lists(st.booleans(), min_size=1, max_size=400))
 def test_exact_iff_the_scale_is_an_exactly_invertible_power_of_two(
-    setup: tuple[ScalePolicy, float], flags: list[bool]
+    setup: tuple[Policy, float], flags: list[bool]
 ) -> None:
     policy, start = setup
     state = initial_state(policy, start, CPU)
@@ -49,7 +50,7 @@ def test_exact_iff_the_scale_is_an_exactly_invertible_power_of_two(
     watch.saw(start)
     assert watch.exact == _truly_exact(state.scale)
     for overflow in flags:
-        state = adjust(policy, state, torch.tensor(float(overflow)))
+        state = policy.adjust(state, torch.tensor(float(overflow)))
         watch.updated(state.scale)
         assert watch.exact == _truly_exact(state.scale), float(state.scale)
 
@@ -67,16 +68,17 @@ def test_exact_iff_the_scale_is_an_exactly_invertible_power_of_two(
     ),
 )
 def test_never_exact_when_the_scale_is_not_a_power_of_two(
-    setup: tuple[ScalePolicy, float], events: list[object]
+    setup: tuple[Policy, float], events: list[object]
 ) -> None:
-    policy, start = setup
-    policy = ScalePolicy(growth_factor=policy.growth_factor, backoff_factor=policy.backoff_factor)
+    drawn, start = setup
+    rule = drawn if isinstance(drawn, ScalePolicy) else ScalePolicy()
+    policy = ScalePolicy(growth_factor=rule.growth_factor, backoff_factor=rule.backoff_factor)
     state = initial_state(policy, start, CPU)
     watch = Pow2Watch(policy, CPU)
     watch.saw(start)
     for event in events:
         if isinstance(event, bool):
-            state = adjust(policy, state, torch.tensor(float(event)))
+            state = policy.adjust(state, torch.tensor(float(event)))
             watch.updated(state.scale)
         elif event in (3.0, 2.0):
             policy = ScalePolicy(growth_factor=event, backoff_factor=policy.backoff_factor)
@@ -108,7 +110,7 @@ def test_renewals_read_the_scale_only_when_the_bound_runs_low() -> None:
     watch.saw(2.0**16)
     state = initial_state(policy, 2.0**16, CPU)
     for update in range(1, 200):
-        state = adjust(policy, state, torch.tensor(float(update % 2)))
+        state = policy.adjust(state, torch.tensor(float(update % 2)))
         watch.updated(state.scale.as_subclass(CountingScale))
         assert watch.exact
         if update == 16 - RENEW_BELOW:
@@ -121,14 +123,14 @@ def test_renewals_read_the_scale_only_when_the_bound_runs_low() -> None:
     [
         (ScalePolicy(), 1),
         (ScalePolicy(backoff_factor=0.25), 2),
-        (ScalePolicy(dynamic=False, growth_factor=3.0), 0),
+        (StaticPolicy(), 0),
         (ScalePolicy(growth_factor=3.0), None),
         (ScalePolicy(backoff_factor=0.3), None),
         (ScalePolicy(min_scale=3.0), None),
         (ScalePolicy(max_scale=2.0**20, min_scale=2.0**-3), 1),
     ],
 )
-def test_which_policies_keep_powers_of_two(policy: ScalePolicy, drop: int | None) -> None:
+def test_which_policies_keep_powers_of_two(policy: Policy, drop: int | None) -> None:
     watch = Pow2Watch(policy, CPU)
     watch.saw(1024.0)
     assert watch.exact == (drop is not None)

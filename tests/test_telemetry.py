@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import logging
 import pickle
 from pathlib import Path
@@ -233,3 +235,71 @@ def test_record_text_and_dict_round_trip() -> None:
         "1 parameter(s): w (nan); first non-finite in the backward of fc)"
     )
     assert StepRecord.from_dict(record.as_dict()) == record
+
+
+def test_a_step_history_attaches_like_any_sink_and_history_reads_it() -> None:
+    scaler = GradScaler("cpu", growth_interval=2)
+    history = scaler.add_sink(ampscaler.StepHistory(3))
+    _train(scaler, steps=5)
+    assert [r.step for r in history.records] == [2, 3, 4]
+    assert scaler.history == history.records
+    scaler.remove_sink(history)
+    assert scaler.history == []
+    with pytest.raises(InvalidConfigError, match="maxlen"):
+        ampscaler.StepHistory(0)
+
+
+def test_one_probe_and_one_tracer_attach_and_anything_else_is_refused() -> None:
+    scaler = GradScaler("cpu")
+    probe = scaler.attach(ampscaler.GradientProbe(every=2))
+    tracer = scaler.attach(ampscaler.NonFiniteTracer())
+    assert isinstance(probe, ampscaler.GradientProbe) and probe.every == 2
+    assert isinstance(tracer, ampscaler.NonFiniteTracer)
+    with pytest.raises(InvalidConfigError, match="already"):
+        scaler.attach(ampscaler.GradientProbe())
+    with pytest.raises(InvalidConfigError, match="already"):
+        scaler.attach(ampscaler.NonFiniteTracer())
+    with pytest.raises(TypeError, match="add_sink"):
+        scaler.attach(ampscaler.LoggingSink())  # type: ignore[type-var]
+    with pytest.raises(InvalidConfigError, match="every"):
+        ampscaler.GradientProbe(every=0)
+    with pytest.raises(InvalidConfigError, match="worst_modules"):
+        ampscaler.GradientProbe(worst_modules=0)
+
+
+def test_attached_objects_do_what_the_keyword_shorthands_do() -> None:
+    short = GradScaler("cpu", growth_interval=3, history_size=100, probe_every=4)
+    composed = GradScaler("cpu", growth_interval=3)
+    composed.add_sink(ampscaler.StepHistory(100))
+    composed.attach(ampscaler.GradientProbe(every=4))
+    _train(short)
+    _train(composed)
+    assert [r.probe is not None for r in composed.history] == [i % 4 == 0 for i in range(10)]
+    strip = [dataclasses.replace(r, time=0.0) for r in short.history]
+    assert strip == [dataclasses.replace(r, time=0.0) for r in composed.history]
+
+
+def test_logs_without_the_newer_fields_still_read(tmp_path: Path) -> None:
+    old = (
+        '{"format": "ampscaler.step/1", "step": 0, "time": 1.0, "scale": 8.0, "new_scale": 8.0, '
+        '"skipped": false, "overflow": null, "probe": {"scale": 8.0, "elements": 4, '
+        '"nonzero": 3, "underflow_at_scale": 0.0, "underflow_at_one": 0.5, '
+        '"headroom_log2": "inf", "modules": {"fc": 0.25}}}\n'
+    )
+    path = tmp_path / "old.jsonl"
+    path.write_text(old)
+    (record,) = ampscaler.read_log(path)
+    assert record.loss is None and record.lr is None
+    assert record.probe is not None and record.probe.modules == {"fc": 0.25}
+    assert record.probe.module_counts == {}
+
+
+def test_a_json_line_can_carry_keys_of_its_own(tmp_path: Path) -> None:
+    record = StepRecord(step=2, scale=4.0, new_scale=4.0, skipped=False, time=0.0, loss=0.5)
+    line = record.to_json_line(arm="fp16")
+    assert json.loads(line)["arm"] == "fp16" and json.loads(line)["loss"] == 0.5
+    path = tmp_path / "steps.jsonl"
+    path.write_text(line + "\n")
+    assert ampscaler.read_log(path) == [record]
+    with pytest.raises(ValueError, match="step"):
+        record.to_json_line(step=3)

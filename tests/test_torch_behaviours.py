@@ -335,7 +335,7 @@ def test_state_dict_loads_both_ways() -> None:
     ours = ampscaler.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.125,
                                 growth_interval=7)
     ours.scale(torch.tensor(1.0))
-    ours._state = ours._state._replace(growth_tracker=torch.tensor(5, dtype=torch.int32))
+    ours._growth_tracker.fill_(5)  # type: ignore[union-attr]
     theirs = torch.amp.GradScaler("cpu")
     theirs.load_state_dict(ours.state_dict())
     assert theirs.state_dict() == {

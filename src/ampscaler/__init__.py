@@ -8,8 +8,6 @@ Example:
     >>> scaler = GradScaler("cpu")
 """
 
-from .counters import ScalerStats
-from .diagnostics import OverflowReport
 from .errors import (
     InvalidConfigError,
     InvalidStateDictError,
@@ -19,30 +17,36 @@ from .errors import (
     SinkError,
 )
 from .master import MasterWeightOptimizer
-from .policy import ScalePolicy
-from .probe import ProbeResult
-from .records import StepRecord, read_log
+from .observe.localize import NonFiniteTracer, OverflowReport
+from .observe.probe import GradientProbe, ProbeResult
+from .observe.records import StepRecord, read_log
+from .observe.sinks import JsonlSink, LoggingSink, Sink, StepHistory, TensorBoardSink
+from .policy import Policy, ScalePolicy, StaticPolicy
 from .scaler import GradScaler, OptState
-from .sinks import JsonlSink, LoggingSink, TensorBoardSink
-from .telemetry import Sink
+from .state import ScalerStats
 
 __all__ = [
     "GradScaler",
+    "GradientProbe",
     "InvalidConfigError",
     "InvalidStateDictError",
     "JsonlSink",
     "LogFormatError",
     "LoggingSink",
     "MasterWeightOptimizer",
+    "NonFiniteTracer",
     "OptState",
     "OverflowReport",
     "PersistentOverflowError",
+    "Policy",
     "ProbeResult",
     "ScalePolicy",
     "ScalerStats",
     "ScalerUsageError",
     "Sink",
     "SinkError",
+    "StaticPolicy",
+    "StepHistory",
     "StepRecord",
     "TensorBoardSink",
     "read_log",

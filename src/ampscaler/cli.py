@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import LogFormatError, SinkError
-from .records import read_log
+from .observe.records import read_log
 
 __all__ = ["COMMANDS", "CommandError", "build_parser", "main"]
 
@@ -87,7 +87,8 @@ def _add_report(commands: _Commands) -> None:
         description=(
             "Plot a step log written by ampscaler.JsonlSink: the loss scale over steps with "
             "skipped steps marked (scale.png), skipped steps per window (skips.png) and, when "
-            "the run used probe_every, underflow and headroom (probe.png, probe_modules.png)."
+            "the run had a GradientProbe attached, underflow and headroom (probe.png, "
+            "probe_modules.png)."
         ),
     )
     parser.add_argument("log", type=Path, metavar="LOG.jsonl", help="the step log to plot")

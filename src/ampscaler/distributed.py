@@ -33,17 +33,16 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .errors import InvalidConfigError
-from .grads import GradGroups
+from .grads.check import combine_flags
 
-__all__ = ["RankAgreement", "SettingValue", "local_shards"]
+__all__ = ["RankAgreement", "SettingValue"]
 
 SettingValue = float | int | bool | None | torch.Tensor
 """A setting compared across ranks: a Python number, ``None``, or a 0-dim tensor."""
@@ -79,43 +78,6 @@ def _require_group(group: object) -> dist.ProcessGroup:
             f"torch.distributed.group.WORLD or one from new_group()), got {group!r}."
         )
     return group
-
-
-def _dtensor_type() -> type[Any] | None:
-    """DTensor's class once torch has imported it; before that no gradient can be one."""
-    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):  # torch >= 2.5, 2.4
-        found = getattr(sys.modules.get(module), "DTensor", None)
-        if isinstance(found, type):
-            return found
-    return None
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2, tensor parallel); any other tensor unchanged."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(tensor, dtensor):
-        return tensor.to_local()  # type: ignore[no-any-return]
-    return tensor
-
-
-def local_shards(groups: GradGroups) -> GradGroups:
-    """``groups`` with every DTensor gradient (FSDP2, tensor parallel) replaced by its local shard.
-
-    The check-and-unscale kernel then runs on local memory only (in place, so the DTensors see
-    the unscaled values), instead of DTensor's own found_inf handling, which reduces
-    synchronously over the mesh of the first gradient in each group; the process group's single
-    asynchronous reduction takes its place.
-    """
-    if _dtensor_type() is None:
-        return groups
-    with torch.no_grad():
-        return {
-            device: {
-                dtype: [local_tensor(g) for g in grads]
-                for dtype, grads in per_dtype.items()
-            }
-            for device, per_dtype in groups.items()
-        }
 
 
 class RankAgreement:
@@ -200,6 +162,25 @@ class RankAgreement:
             label = "rank" if len(ranks) == 1 else "ranks"
             parts.append(f"{shown} on {label} {', '.join(map(str, ranks))}")
         return f"{name} is {', '.join(parts)}"
+
+    def agree(
+        self,
+        flags: Mapping[torch.device, torch.Tensor],
+        device: torch.device,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start agreeing on one optimizer's inf flags (per device) from the check.
+
+        Returns ``(local, agreed)``: this rank's combined flag on ``device`` (zero when it
+        held no gradients), and the tensor that holds the group's verdict once :meth:`settle`
+        has returned. The first call compares the ranks' ``settings()`` (a host sync, once).
+        """
+        if not self.checked:
+            self.check_settings(settings())
+        local = combine_flags(flags.values(), device)
+        if local is None:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        return local, self.launch(local)
 
     def launch(self, local_flag: torch.Tensor) -> torch.Tensor:
         """Start max-reducing ``local_flag`` (0-dim float) over the group; return the result tensor.

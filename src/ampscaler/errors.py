@@ -7,6 +7,11 @@ message says what went wrong and what to do about it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .observe.localize import OverflowReport
+
 __all__ = [
     "InvalidConfigError",
     "InvalidStateDictError",
@@ -49,6 +54,31 @@ class PersistentOverflowError(RuntimeError):
     the gradients held inf or NaN, which parameters were affected when known, and what usually
     helps.
     """
+
+    @classmethod
+    def after(
+        cls, in_a_row: int, limit: int, scale: float, report: OverflowReport | None
+    ) -> PersistentOverflowError:
+        """The error for ``in_a_row`` skipped steps (``limit`` allowed) at ``scale``, with
+        what ``report`` says of the latest one."""
+        found = report.kinds.values() if report is not None else ()
+        kinds = {part for kind in found for part in kind.split("+")}
+        spelled = [word for kind, word in (("inf", "inf"), ("nan", "NaN")) if kind in kinds]
+        held = " and ".join(spelled) if spelled else "inf/NaN"
+        nan_hint = (
+            " NaN that persists at a small scale is a bug in the model or the data (a log of "
+            "0, a division by zero, a bad sample), not an overflow: look there first."
+            if "nan" in kinds
+            else ""
+        )
+        where = f" Affected: {report}." if report is not None and report.names else ""
+        return cls(
+            f"{in_a_row} optimizer steps in a row were skipped because the gradients held "
+            f"{held} (max_consecutive_skips={limit}); the scale is now {scale:g}.{where}"
+            f"{nan_hint} What usually helps: a lower learning rate or warm-up, gradient "
+            "clipping after scaler.unscale_(), checking the loss for inf/NaN before backward(), "
+            "or training in bfloat16, whose range needs no scaling."
+        )
 
 
 class SinkError(OSError):

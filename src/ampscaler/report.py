@@ -6,7 +6,7 @@ pyplot's global state, so it works without a display and inside notebooks alike.
 
 Example:
     >>> import tempfile
-    >>> from ampscaler.records import StepRecord
+    >>> from ampscaler.observe.records import StepRecord
     >>> records = [StepRecord(step=i, scale=2.0**(16 - (i > 5)), new_scale=2.0**(16 - (i >= 5)),
     ...                       skipped=(i == 5), time=0.0) for i in range(10)]
     >>> [p.name for p in render_report(records, tempfile.mkdtemp())]
@@ -18,17 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from .probe import ProbeResult
-from .records import StepRecord
+from .observe.probe import ProbeResult
+from .observe.records import StepRecord
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 __all__ = [
-    "ScaleSample",
     "default_window",
     "plot_modules",
     "plot_probe",
@@ -64,20 +63,7 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
-class ScaleSample(Protocol):
-    """What :func:`plot_scale` reads of a step: a :class:`~ampscaler.StepRecord` has it."""
-
-    @property
-    def step(self) -> int: ...
-
-    @property
-    def scale(self) -> float: ...
-
-    @property
-    def skipped(self) -> bool: ...
-
-
-def plot_scale(records: Sequence[ScaleSample], path: Path) -> Path:
+def plot_scale(records: Sequence[StepRecord], path: Path) -> Path:
     """The loss scale each step used (log axis), skipped steps marked with crosses."""
     figure = _figure()
     axes = figure.add_subplot()

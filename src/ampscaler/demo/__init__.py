@@ -37,11 +37,14 @@ unscaled values, and training follows fp32.
 
 This is the failure the Mixed Precision Training paper (Micikevicius et al., 2018) describes for
 the SSD detector, many of whose activation gradients fall below fp16's range and become zero. The
-probe (see :mod:`ampscaler.demo.underflow`) measures it here: about 85% of the activation gradients
-that are non-zero in fp32 are exactly zero in the unscaled arm, next to none in the scaled one.
+library's :class:`~ampscaler.GradientProbe`, held against an fp32 reference pass (see
+:func:`~ampscaler.demo.train.activation_probe`), measures it here: about 85% of the activation
+gradients that are non-zero in fp32 are exactly zero in the unscaled arm, next to none in the
+scaled one.
 
 The pieces: :mod:`ampscaler.demo.model` (the task and the model), :mod:`ampscaler.demo.train`
-(training one arm), :mod:`ampscaler.demo.underflow` (measuring underflow with backward hooks).
+(training one arm, with :class:`~ampscaler.StepRecord` per step and the probe on the linear
+layers), :mod:`ampscaler.demo.run` (the three arms, the summary and the plots).
 """
 
 from ampscaler.demo.model import TaskSpec, Teacher, batches, build_student
@@ -55,14 +58,14 @@ from ampscaler.demo.train import (
     LossScaler,
     ScalerFactory,
     StepCallback,
-    StepRecord,
+    UnderflowStats,
+    activation_probe,
     compute_loss,
     standard_arms,
     tail_mean,
     torch_grad_scaler,
     train_arm,
 )
-from ampscaler.demo.underflow import LayerCounts, UnderflowProbe, UnderflowStats, count_underflow
 
 __all__ = [
     "FP16_AMPSCALER",
@@ -71,19 +74,16 @@ __all__ = [
     "Arm",
     "ArmResult",
     "DemoConfig",
-    "LayerCounts",
     "LossScaler",
     "ScalerFactory",
     "StepCallback",
-    "StepRecord",
     "TaskSpec",
     "Teacher",
-    "UnderflowProbe",
     "UnderflowStats",
+    "activation_probe",
     "batches",
     "build_student",
     "compute_loss",
-    "count_underflow",
     "standard_arms",
     "tail_mean",
     "torch_grad_scaler",

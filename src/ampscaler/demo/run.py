@@ -7,8 +7,9 @@
   {...}}, "config": {...}, "checks": {...}}``; each arm has ``final_loss`` (mean over the last
   10% of steps), ``skipped_steps``, ``final_scale`` (1.0 without a scaler), ``seconds`` and
   ``underflow`` (the probe's fractions, or ``null``);
-- ``steps.jsonl``: one line per arm and step: ``arm``, ``step``, ``loss``, ``skipped``,
-  ``scale``, ``lr``;
+- ``steps.jsonl``: one :class:`~ampscaler.StepRecord` per arm and step, as a line of the step
+  log format (:mod:`ampscaler.observe.records`) with the arm's name under ``arm``: ``step``,
+  ``loss``, ``lr``, ``skipped``, ``scale``, ``new_scale`` and, on probed steps, ``probe``;
 - ``loss.png``: the three loss curves on one chart; ``scale.png``: the scaled arm's loss scale
   over steps, skipped steps marked.
 
@@ -18,6 +19,7 @@ Needs matplotlib and tqdm (``pip install 'ampscaler[demo]'``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -31,10 +33,10 @@ from ampscaler.demo.train import (
     ArmResult,
     DemoConfig,
     LossScaler,
-    StepRecord,
     standard_arms,
     train_arm,
 )
+from ampscaler.observe.records import StepRecord
 from ampscaler.scaler import GradScaler
 
 __all__ = ["GROWTH_INTERVAL", "DemoOutcome", "demo_scaler", "run_demo", "summary_table"]
@@ -138,7 +140,8 @@ def _progress(name: str, steps: int, enabled: bool) -> tuple[Callable[[StepRecor
     def advance(record: StepRecord) -> None:
         bar.update(1)
         if record.step % 10 == 0 or record.step == steps - 1:
-            bar.set_postfix(loss=f"{record.loss:.2e}", scale=f"{record.scale:g}", refresh=False)
+            loss = record.loss if record.loss is not None else math.nan
+            bar.set_postfix(loss=f"{loss:.2e}", scale=f"{record.scale:g}", refresh=False)
 
     return advance, bar
 
@@ -146,7 +149,7 @@ def _progress(name: str, steps: int, enabled: bool) -> tuple[Callable[[StepRecor
 def _log_step(
     log: TextIO, arm_name: str, advance: Callable[[StepRecord], None], record: StepRecord
 ) -> None:
-    log.write(json.dumps({"arm": arm_name, **asdict(record)}) + "\n")
+    log.write(record.to_json_line(arm=arm_name) + "\n")
     advance(record)
 
 
@@ -191,17 +194,10 @@ def run_demo(config: DemoConfig, out: Path, progress: bool = True) -> DemoOutcom
     }
     summary_path = out / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    scaled = results[FP16_AMPSCALER]
-    samples = [
-        StepRecord(step=i, loss=loss, skipped=skip, scale=scale, lr=0.0)
-        for i, (loss, skip, scale) in enumerate(
-            zip(scaled.losses, scaled.skipped, scaled.scales, strict=True)
-        )
-    ]
     files = [
         summary_path,
         steps_path,
         _plot_losses(results, out / "loss.png"),
-        plot_scale(samples, out / "scale.png"),
+        plot_scale(results[FP16_AMPSCALER].records, out / "scale.png"),
     ]
     return DemoOutcome(results, files)

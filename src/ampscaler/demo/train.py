@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ampscaler.demo.model import TaskSpec, batches, build_student
-from ampscaler.demo.underflow import UnderflowProbe, UnderflowStats
+from ampscaler.observe.probe import GradientProbe, ProbeResult, UnderflowCounts
+from ampscaler.observe.records import StepRecord
 
 FP32 = "fp32"
 FP16_NO_SCALING = "fp16_no_scaling"
@@ -90,7 +91,8 @@ class DemoConfig:
         lr: Adam's peak learning rate, decayed to 0 over ``steps`` along a half cosine.
         seed: draws the initial weights, the teacher and the batches.
         probe_every: measure activation-gradient underflow every this many steps (from step 0);
-            ``None`` turns the probe off. Each probe costs one extra fp32 forward and backward.
+            ``None`` turns the probe off. In the fp16 arms each probe costs one extra fp32
+            forward and backward, the reference (see :func:`activation_probe`).
         task: sizes of the model, data and batch.
     """
 
@@ -111,19 +113,75 @@ class DemoConfig:
             )
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One training step: its loss (before scaling), whether it was skipped, the scale it used."""
+def activation_probe(model: nn.Module, every: int) -> GradientProbe:
+    """The library's probe on the output gradients of ``model``'s ``nn.Linear`` layers.
 
-    step: int
-    loss: float
-    skipped: bool
-    scale: float
-    lr: float
+    Its module counts are the demo's underflow numbers. Here an *activation gradient* is the
+    gradient of the loss with respect to a linear layer's output, an fp16 tensor under fp16
+    autocast (the output is). In the fp16 arms each probed step first runs the same step as an
+    fp32 reference (same weights and batch, no autocast, no loss scaling) inside
+    :meth:`~ampscaler.GradientProbe.reference`; an element carries signal when its reference is
+    non-zero, *underflowed* when the arm holds it zero or subnormal in fp16 (``|g| < 2**-14``,
+    fewer than 10 significant bits left) and was *flushed* when it is exactly zero there. The
+    values are taken as the arm has them: a scaled arm's gradients include its loss scale, which
+    is what lifts them out of the subnormal range. The fp32 arm has no fp16 values and needs no
+    reference pass, its fp32 gradients being their own: they are rounded to fp16 and counted, so
+    for it the numbers say how many *would* underflow (the statistic the Mixed Precision Training
+    paper reports for SSD).
+    """
+    probe = GradientProbe(every, worst_modules=None)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            probe.watch(module, name)
+    return probe
+
+
+@dataclass(frozen=True)
+class UnderflowStats:
+    """Activation-gradient underflow of one arm: counts per linear layer over its probes.
+
+    Attributes:
+        layers: layer name -> its counts summed over the probed steps, in the model's order.
+        probes: how many steps were probed.
+    """
+
+    layers: dict[str, UnderflowCounts]
+    probes: int
+
+    @classmethod
+    def of(cls, layers: Sequence[str], results: Sequence[ProbeResult]) -> UnderflowStats:
+        """Sum the module counts of ``results`` for each of ``layers``."""
+        none = UnderflowCounts()
+        return cls(
+            layers={
+                name: sum((r.module_counts.get(name, none) for r in results), none)
+                for name in layers
+            },
+            probes=len(results),
+        )
+
+    def total(self) -> UnderflowCounts:
+        """The counts of all layers together."""
+        return sum(self.layers.values(), UnderflowCounts())
+
+    @property
+    def fraction(self) -> float:
+        """Share of signal-carrying activation-gradient elements that were zero or subnormal."""
+        return self.total().fraction
+
+    @property
+    def flushed_fraction(self) -> float:
+        """Share of signal-carrying activation-gradient elements that were exactly zero."""
+        return self.total().flushed_fraction
+
+    def by_layer(self) -> dict[str, float]:
+        """``fraction`` per layer name, in the model's order."""
+        return {name: counts.fraction for name, counts in self.layers.items()}
 
 
 StepCallback = Callable[[StepRecord], None]
-"""Called after every step, e.g. to advance a progress bar or write a line of a log."""
+"""Called after every step with its :class:`~ampscaler.StepRecord` (``loss`` and ``lr`` set),
+e.g. to advance a progress bar or write a line of a log."""
 
 
 @dataclass(frozen=True)
@@ -132,23 +190,43 @@ class ArmResult:
 
     Attributes:
         name: the arm's name.
-        losses: the training loss of every step, before any scaling.
-        skipped: per step, whether the scaler skipped the optimizer step (always False without one).
-        scales: per step, the loss scale that step's backward used (1.0 without a scaler).
-        final_loss: mean of ``losses`` over the last 10% of steps.
-        final_scale: the scaler's scale after the last update (1.0 without a scaler).
+        records: one :class:`~ampscaler.StepRecord` per step: its loss (before any scaling) and
+            learning rate, whether the scaler skipped the optimizer step (never without one), the
+            loss scale its backward used and the scale after it (1.0 without a scaler), and on
+            probed steps the probe's result.
         underflow: activation-gradient underflow counts, or None when the probe was off.
         seconds: wall-clock time of the training loop, probes included.
     """
 
     name: str
-    losses: list[float]
-    skipped: list[bool]
-    scales: list[float]
-    final_loss: float
-    final_scale: float
+    records: list[StepRecord]
     underflow: UnderflowStats | None
     seconds: float
+
+    @property
+    def losses(self) -> list[float]:
+        """The training loss of every step (every demo record has one)."""
+        return [r.loss for r in self.records if r.loss is not None]
+
+    @property
+    def skipped(self) -> list[bool]:
+        """Per step, whether the scaler skipped the optimizer step."""
+        return [r.skipped for r in self.records]
+
+    @property
+    def scales(self) -> list[float]:
+        """Per step, the loss scale that step's backward used."""
+        return [r.scale for r in self.records]
+
+    @property
+    def final_loss(self) -> float:
+        """Mean of ``losses`` over the last 10% of steps."""
+        return tail_mean(self.losses)
+
+    @property
+    def final_scale(self) -> float:
+        """The scale after the last update (1.0 without a scaler)."""
+        return self.records[-1].new_scale
 
     @property
     def skipped_steps(self) -> int:
@@ -188,22 +266,43 @@ class _ArmTrainer:
         self.model = build_student(config.task, config.seed)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.scaler = arm.scaler_factory() if arm.scaler_factory is not None else None
-        self.probe = UnderflowProbe(self.model) if config.probe_every is not None else None
+        every = config.probe_every
+        self.probe = activation_probe(self.model, every) if every is not None else None
 
     def step(self, index: int, x: Tensor, y: Tensor) -> StepRecord:
         """Train on one batch and say what happened."""
         lr = cosine_lr(index, self.config.steps, self.config.lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        every = self.config.probe_every
-        probing = self.probe is not None and every is not None and index % every == 0
-        loss = self._probed_backward(x, y) if probing else self._backward(x, y)
-        skipped, scale = self._optimizer_step()
-        return StepRecord(step=index, loss=loss, skipped=skipped, scale=scale, lr=lr)
+        if self.probe is not None and self.probe.due and self.arm.fp16:
+            self._reference_backward(x, y)
+        loss = self._backward(x, y)
+        scale = self._scale()
+        if self.probe is not None:
+            self.probe.measure(self.optimizer, torch.tensor(scale))
+        skipped = self._optimizer_step(scale)
+        pending = self.probe.end_iteration() if self.probe is not None else None
+        return StepRecord(
+            step=index,
+            scale=scale,
+            new_scale=self._scale(),
+            skipped=skipped,
+            time=time.time(),
+            probe=pending.read(scale) if pending is not None else None,
+            loss=loss,
+            lr=lr,
+        )
 
-    def final_scale(self) -> float:
+    def _scale(self) -> float:
         """The scaler's current scale, 1.0 without a scaler."""
         return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
+    def _reference_backward(self, x: Tensor, y: Tensor) -> None:
+        """The step in fp32, unscaled, as the probe's reference (see :func:`activation_probe`)."""
+        assert self.probe is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.probe.reference():
+            compute_loss(self.model, x, y, fp16=False).backward()  # type: ignore[no-untyped-call]
 
     def _backward(self, x: Tensor, y: Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,30 +311,15 @@ class _ArmTrainer:
         scaled.backward()  # type: ignore[no-untyped-call]
         return float(loss.item())
 
-    def _probed_backward(self, x: Tensor, y: Tensor) -> float:
-        """``_backward`` with the activation gradients captured, after an fp32 reference pass."""
-        assert self.probe is not None
-        reference: dict[str, Tensor] | None = None
-        if self.arm.fp16:
-            self.optimizer.zero_grad(set_to_none=True)
-            with self.probe.capture() as reference:
-                compute_loss(self.model, x, y, fp16=False).backward()  # type: ignore[no-untyped-call]
-        with self.probe.capture() as observed:
-            loss = self._backward(x, y)
-        self.probe.record(observed, reference if reference is not None else observed)
-        return loss
-
-    def _optimizer_step(self) -> tuple[bool, float]:
-        """Step (through the scaler if any); returns (skipped, scale used by this step)."""
+    def _optimizer_step(self, scale: float) -> bool:
+        """Step (through the scaler if any) at ``scale``; returns whether it was skipped."""
         if self.scaler is None:
             self.optimizer.step()
-            return False, 1.0
-        scale = float(self.scaler.get_scale())
+            return False
         self.scaler.step(self.optimizer)
         self.scaler.update()
         flag = getattr(self.scaler, "last_step_skipped", None)
-        skipped = bool(flag) if flag is not None else float(self.scaler.get_scale()) < scale
-        return skipped, scale
+        return bool(flag) if flag is not None else self._scale() < scale
 
 
 def train_arm(
@@ -256,14 +340,11 @@ def train_arm(
         records.append(record)
         if on_step is not None:
             on_step(record)
-    losses = [r.loss for r in records]
-    return ArmResult(
-        name=arm.name,
-        losses=losses,
-        skipped=[r.skipped for r in records],
-        scales=[r.scale for r in records],
-        final_loss=tail_mean(losses),
-        final_scale=trainer.final_scale(),
-        underflow=trainer.probe.stats if trainer.probe is not None else None,
-        seconds=time.perf_counter() - start,
-    )
+    seconds = time.perf_counter() - start
+    underflow = None
+    if trainer.probe is not None:
+        trainer.probe.detach()
+        layers = [n for n, m in trainer.model.named_modules() if isinstance(m, nn.Linear)]
+        probed = [r.probe for r in records if r.probe is not None]
+        underflow = UnderflowStats.of(layers, probed)
+    return ArmResult(name=arm.name, records=records, underflow=underflow, seconds=seconds)

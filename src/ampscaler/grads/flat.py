@@ -1,4 +1,10 @@
-"""Remembering an optimizer's gradient grouping while its gradient tensors stay the same.
+"""Opt-in flat gradient buffers (``GradScaler(..., flat_grads=True)``), in front of the collection.
+
+Off by default, because it moves the user's gradient memory: a drop-in must not relocate memory
+that other code (a CUDA graph captured over the backward, a compiled step guarded on gradient
+identity, a hook holding a pointer) may rely on. Turn it on when the loop keeps the same gradient
+tensors from step to step (``zero_grad(set_to_none=False)``, accumulation in place) over many
+small tensors; see docs/benchmarks.md for what it saves.
 
 Grouping gradients by device and dtype is a Python loop over every parameter, and the check
 kernel has a fixed cost per tensor; with thousands of small tensors both outweigh the
@@ -35,7 +41,7 @@ holds gradient memory the loop would otherwise have released.
 
 Example:
     >>> import torch
-    >>> from ampscaler.gradplan import GradPlanner
+    >>> from ampscaler.grads.flat import GradPlanner
     >>> params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(4)]
     >>> for p in params:
     ...     p.grad = torch.ones(3)
@@ -57,7 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grads import FP16_GRADS_MESSAGE, GradGroups, group_grad_list, group_grads, iter_params
+from .collect import FP16_GRADS_MESSAGE, GradGroups, collect, iter_params
 
 __all__ = ["GradPlan", "GradPlanner"]
 
@@ -187,8 +193,7 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
             grad.data_ptr()
     except RuntimeError:  # no storage (e.g. a lazy or XLA tensor)
         return None
-    groups = group_grad_list(list(present), allow_fp16)  # raises on fp16 before moving
-    assert groups is not None  # no sparse gradients here
+    groups = collect(optimizer, allow_fp16=allow_fp16)  # raises on fp16 before moving
     distinct = len({id(grad) for grad in present}) == len(present)
     moved_ids: set[int] = set()
     buffers: list[int] = []
@@ -233,8 +238,11 @@ class GradPlanner:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def groups(self, optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradGroups:
-        """``optimizer``'s gradients grouped by device and dtype, as :func:`group_grads` does.
+    def groups(
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, local: bool = False
+    ) -> GradGroups:
+        """``optimizer``'s gradients grouped by device and dtype, as
+        :func:`~ampscaler.grads.collect.collect` groups them (``local`` goes to it).
 
         Raises:
             TypeError: a parameter that is not a tensor.
@@ -245,11 +253,11 @@ class GradPlanner:
             if entry is None:
                 entry = self._entries[optimizer] = _Entry()
         except TypeError:  # not hashable or not weakly referenceable: nothing to remember by
-            return group_grads(optimizer, allow_fp16)
+            return collect(optimizer, allow_fp16=allow_fp16, local=local)
         try:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        except AttributeError:  # a parameter that is not a tensor: group_grads says so
-            return group_grads(optimizer, allow_fp16)
+        except AttributeError:  # a parameter that is not a tensor: collect() says so
+            return collect(optimizer, allow_fp16=allow_fp16, local=local)
         plan = entry.plan
         if plan is not None:
             if plan.matches(grads):
@@ -266,5 +274,4 @@ class GradPlanner:
                 entry.last_ids = []
                 return entry.plan.groups
             entry.drop()
-        groups = group_grad_list(grads, allow_fp16)
-        return groups if groups is not None else group_grads(optimizer, allow_fp16)
+        return collect(optimizer, allow_fp16=allow_fp16, local=local)

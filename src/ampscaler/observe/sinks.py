@@ -1,13 +1,15 @@
-"""Where step records go: a JSONL file, TensorBoard, Python ``logging``.
+"""Where step records go: memory, a JSONL file, TensorBoard, Python ``logging``.
 
-A sink is any object with ``write(record)``; attach it with ``scaler.add_sink(sink)`` and it
-receives a :class:`~ampscaler.StepRecord` at the end of every ``update()``. Attaching a sink
-makes ``update()`` read the step's outcome from the device: one host sync per iteration.
+A sink is any object with ``write(record)`` (the :class:`Sink` protocol); attach it with
+``scaler.add_sink(sink)`` and it receives a :class:`~ampscaler.StepRecord` at the end of every
+``update()``. Attaching a sink makes ``update()`` read the step's outcome from the device: one
+host sync per iteration.
 
 Example:
     >>> import logging, tempfile, torch
-    >>> from ampscaler import GradScaler, JsonlSink, LoggingSink
+    >>> from ampscaler import GradScaler, JsonlSink, LoggingSink, StepHistory
     >>> scaler = GradScaler("cpu")
+    >>> history = scaler.add_sink(StepHistory(1000))     # scaler.history reads it
     >>> folder = tempfile.mkdtemp()
     >>> jsonl = scaler.add_sink(JsonlSink(f"{folder}/steps.jsonl"))
     >>> logged = scaler.add_sink(LoggingSink("train.scaler", level=logging.DEBUG))
@@ -18,24 +20,79 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from .errors import SinkError
+from ..errors import InvalidConfigError, SinkError
 from .records import StepRecord
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-__all__ = ["JsonlSink", "LoggingSink", "TensorBoardSink"]
+__all__ = ["JsonlSink", "LoggingSink", "Sink", "StepHistory", "TensorBoardSink"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything with ``write(record)``: what ``scaler.add_sink()`` takes."""
+
+    def write(self, record: StepRecord) -> None:
+        """Take one step record (called at the end of ``update()``)."""
+
+
+class StepHistory:
+    """Keeps the last ``maxlen`` step records in memory.
+
+    ``scaler.history`` reads the first one attached; ``GradScaler(..., history_size=N)`` attaches
+    ``StepHistory(N)``. Copies of a scaler keep it (with its records), unlike other sinks.
+
+    Args:
+        maxlen: how many records to keep; older ones are dropped.
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) ``maxlen`` is not an int >= 1.
+
+    Example:
+        >>> history = StepHistory(2)
+        >>> for step in range(3):
+        ...     history.write(StepRecord(step, 8.0, 8.0, skipped=False, time=0.0))
+        >>> [record.step for record in history.records]
+        [1, 2]
+    """
+
+    def __init__(self, maxlen: int) -> None:
+        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 1:
+            raise InvalidConfigError(f"StepHistory maxlen must be an int >= 1, got {maxlen!r}.")
+        self._maxlen = maxlen
+        self._records: deque[StepRecord] = deque(maxlen=maxlen)
+
+    @property
+    def maxlen(self) -> int:
+        """How many records are kept at most."""
+        return self._maxlen
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """The kept records, oldest first (a copy)."""
+        return list(self._records)
+
+    def write(self, record: StepRecord) -> None:
+        """Keep ``record``, dropping the oldest one when full."""
+        self._records.append(record)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return f"StepHistory({self._maxlen})"
 
 
 class JsonlSink:
-    """Writes each step record as one line of JSON (format: :mod:`ampscaler.records`).
+    """Writes each step record as one line of JSON (format: :mod:`ampscaler.observe.records`).
 
     The file is opened (and its folder created) at construction, so a bad path fails before
     training starts; each line is flushed as it is written, so a crashed run keeps its log.
@@ -71,7 +128,7 @@ class JsonlSink:
 
     def write(self, record: StepRecord) -> None:
         """Append ``record`` as one line and flush it."""
-        line = json.dumps(record.as_dict(), allow_nan=False)
+        line = record.to_json_line()
         try:
             self._file.write(line + "\n")
             self._file.flush()

@@ -5,48 +5,53 @@
 * keeps, per iteration, the overflow reports of optimizers that skipped (localized at once on
   the plain path, where ``step()`` already read the inf flag) and the inf flags of fused
   optimizers (localized only when somebody asks, since reading them is a host sync);
-* runs the opt-in underflow probe and non-finite tracer;
-* at ``update()``, when anything consumes records (history, a sink, an event callback), reads
-  the iteration's outcome from the device in one host sync and hands a
-  :class:`~ampscaler.StepRecord` to the history, the sinks and the callbacks, in that order.
+* drives what is attached to it: a :class:`~ampscaler.GradientProbe` measures on its
+  iterations, a :class:`~ampscaler.NonFiniteTracer` names the module an overflow came from;
+* at ``update()``, when anything consumes records (a sink, :class:`~ampscaler.StepHistory`
+  included, or an event callback), reads the iteration's outcome from the device in one host
+  sync and hands a :class:`~ampscaler.StepRecord` to the sinks, in the order they were added,
+  then to the callbacks.
 
-With nothing attached and the probe and tracer off, ``update()`` costs a few attribute checks
-here and never waits for the device.
+With no sink, no callback and no probe or tracer, ``update()`` costs a few attribute checks here
+and never waits for the device.
+
+The scaler's calls, in the order of one iteration: :meth:`~Monitor.before_check` and
+:meth:`~Monitor.note_step` per optimizer (:meth:`~Monitor.note_ranks` after a skip agreed
+across ranks), then :meth:`~Monitor.after_update`, once the counters have counted the
+iteration. The scale tensor they are given is the live one, which ``update()`` changes in place;
+nothing here reads it after the update except through the ``old_scale`` copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from . import diagnostics
-from .counters import StepCounters
-from .diagnostics import OverflowReport, ParamNames, merge_reports
-from .errors import InvalidConfigError
+from ..errors import InvalidConfigError
+from . import localize
+from .localize import NonFiniteTracer, OverflowReport, ParamNames, TraceEvent, merge_reports
 from .probe import GradientProbe, PendingProbe
 from .records import StepRecord
-from .tracer import NonFiniteTracer, TraceEvent
+from .sinks import Sink, StepHistory
+from .taps import WatchedModels
 
-__all__ = ["EVENTS", "Monitor", "Sink"]
+if TYPE_CHECKING:
+    from ..state import StepCounters
+
+__all__ = ["EVENTS", "Attachable", "Callback", "Monitor"]
 
 EVENTS = ("step", "overflow", "backoff", "growth")
 
 Callback = Callable[[StepRecord], Any]
+"""What :meth:`Monitor.on` calls with each matching record."""
 
-
-@runtime_checkable
-class Sink(Protocol):
-    """Anything with ``write(record)``; see :mod:`ampscaler.sinks` for the ready-made ones."""
-
-    def write(self, record: StepRecord) -> None:
-        """Take one step record (called at the end of ``update()``)."""
+Attachable: TypeAlias = GradientProbe | NonFiniteTracer
+"""What :meth:`Monitor.attach` takes: one of each at most."""
 
 
 @dataclass
@@ -54,66 +59,32 @@ class _Iteration:
     """What one iteration noted about overflow."""
 
     started: bool = False
+    # The live scale while the iteration runs; from after_update on, the copy taken before it.
+    scale: torch.Tensor | None = None
     reports: list[OverflowReport] = field(default_factory=list)
-    # Fused optimizers: (optimizer, its inf flag on the device, the scale), read only on demand.
-    fused: list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor]] = field(
-        default_factory=list
-    )
+    # Fused optimizers and their inf flags on the device, read only on demand.
+    fused: list[tuple[torch.optim.Optimizer, torch.Tensor]] = field(default_factory=list)
     trace: list[TraceEvent] | None = None
     resolved: bool = False
     report: OverflowReport | None = None
 
 
-def _check_options(history_size: object, probe_every: object, trace_nonfinite: object) -> None:
-    if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 0:
-        raise InvalidConfigError(
-            f"history_size must be an int >= 0 (0 keeps no history), got {history_size!r}."
-        )
-    if probe_every is not None and (
-        isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1
-    ):
-        raise InvalidConfigError(
-            f"probe_every must be an int >= 1 or None (no probe), got {probe_every!r}."
-        )
-    if not isinstance(trace_nonfinite, bool):
-        raise InvalidConfigError(f"trace_nonfinite must be True or False, got {trace_nonfinite!r}.")
-
-
 class Monitor:
-    """Per-iteration overflow bookkeeping, probe, tracer, history, sinks and event callbacks.
+    """Per-iteration overflow bookkeeping; the probe, tracer, sinks and callbacks attached.
 
     Args:
-        enabled: whether the scaler is enabled (a disabled one registers no hooks).
-        history_size: how many step records to keep in memory (0: none).
-        probe_every: probe the gradients on every ``probe_every``-th iteration, counting from
-            the first one after construction; ``None`` never.
-        trace_nonfinite: tap every watched leaf module to find where non-finite gradients
-            first appear in backward.
+        enabled: whether the scaler is enabled; a disabled one takes attachments but registers
+            no hooks.
     """
 
-    def __init__(
-        self,
-        *,
-        enabled: bool = True,
-        history_size: int = 0,
-        probe_every: int | None = None,
-        trace_nonfinite: bool = False,
-    ) -> None:
-        _check_options(history_size, probe_every, trace_nonfinite)
+    def __init__(self, enabled: bool = True) -> None:
         self.names = ParamNames()
         self._enabled = enabled
-        self._history_size = history_size
-        self._history: deque[StepRecord] | None = (
-            deque(maxlen=history_size) if history_size else None
-        )
         self._sinks: list[Sink] = []
         self._callbacks: dict[str, list[Callback]] = {event: [] for event in EVENTS}
-        self._probe_every = probe_every
-        self._trace_nonfinite = trace_nonfinite
-        self._probe = GradientProbe() if probe_every is not None and enabled else None
-        self._tracer = NonFiniteTracer() if trace_nonfinite and enabled else None
-        self._models: list[tuple[weakref.ref[torch.nn.Module], str]] = []
-        self._iterations = 0
+        self._probe: GradientProbe | None = None
+        self._tracer: NonFiniteTracer | None = None
+        self._models = WatchedModels()
         self._current = _Iteration()
         self._finished = _Iteration()
 
@@ -122,27 +93,48 @@ class Monitor:
     @property
     def consuming(self) -> bool:
         """Whether anything takes step records (so ``update()`` must read the outcome)."""
-        return (
-            self._history is not None
-            or bool(self._sinks)
-            or any(self._callbacks.values())
-        )
+        return bool(self._sinks) or any(self._callbacks.values())
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
-        """Learn ``model``'s parameter names; tap its modules if the probe or tracer is on."""
+        """Learn ``model``'s parameter names; the probe and tracer tap its modules."""
         self.names.watch(model, prefix)
         if not self._enabled:
             return
-        self._models.append((weakref.ref(model), prefix))
-        if self._tracer is not None:
-            self._tracer.attach(model, prefix)
-        if self._probe is not None and self._probing():
-            self._probe.arm([(model, prefix)])
+        self._models.add(model, prefix)
+        for observer in (self._probe, self._tracer):
+            if observer is not None:
+                observer.watch(model, prefix)
 
-    def _live_models(self) -> list[tuple[torch.nn.Module, str]]:
-        alive = [(ref(), prefix) for ref, prefix in self._models]
-        self._models = [(weakref.ref(m), p) for m, p in alive if m is not None]
-        return [(m, p) for m, p in alive if m is not None]
+    def attach(self, observer: Attachable) -> None:
+        """Attach a probe or a tracer (one of each); it taps the models watched so far and
+        from now on.
+
+        Raises:
+            InvalidConfigError: (a ``ValueError``) one of its kind is attached already.
+            TypeError: ``observer`` is neither.
+        """
+        if isinstance(observer, GradientProbe):
+            if self._probe is not None:
+                raise InvalidConfigError(
+                    f"This scaler already has {self._probe!r} attached; it takes one probe. "
+                    "Attach a single GradientProbe with the period you want."
+                )
+            self._probe = observer
+        elif isinstance(observer, NonFiniteTracer):
+            if self._tracer is not None:
+                raise InvalidConfigError(
+                    "This scaler already has a NonFiniteTracer attached; one tracer covers "
+                    "every watched model."
+                )
+            self._tracer = observer
+        else:
+            raise TypeError(
+                f"attach() takes a GradientProbe or a NonFiniteTracer, got "
+                f"{type(observer).__name__}; objects that take step records go to add_sink()."
+            )
+        if self._enabled:
+            for model, prefix in self._models:
+                observer.watch(model, prefix)
 
     def on(self, event: str, fn: Callback) -> Callable[[], None]:
         """Call ``fn(record)`` on ``event``; returns a function that unregisters it."""
@@ -165,8 +157,8 @@ class Monitor:
         """Send every step record to ``sink.write``."""
         if not isinstance(sink, Sink):
             raise TypeError(
-                f"add_sink() expects an object with a write(record) method (JsonlSink, "
-                f"TensorBoardSink, LoggingSink, ...), got {type(sink).__name__}."
+                f"add_sink() expects an object with a write(record) method (StepHistory, "
+                f"JsonlSink, TensorBoardSink, LoggingSink, ...), got {type(sink).__name__}."
             )
         self._sinks.append(sink)
 
@@ -178,17 +170,18 @@ class Monitor:
 
     @property
     def history(self) -> list[StepRecord]:
-        """The kept step records, oldest first (empty when ``history_size`` is 0)."""
-        return [] if self._history is None else list(self._history)
+        """The records of the first :class:`~ampscaler.StepHistory` added, oldest first (empty
+        without one)."""
+        for sink in self._sinks:
+            if isinstance(sink, StepHistory):
+                return sink.records
+        return []
 
     # ------------------------------------------------------------------ the scaler's calls
 
-    def _probing(self) -> bool:
-        return self._probe_every is not None and self._iterations % self._probe_every == 0
-
     def before_check(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
         """Called with the scaled gradients, before they are checked; probes when due."""
-        if self._probe is not None and self._probing():
+        if self._probe is not None:
             self._probe.measure(optimizer, scale)
 
     def note_step(
@@ -201,14 +194,16 @@ class Monitor:
         """Record one ``step()``: a known outcome (plain path) or a device flag (fused path).
 
         A known skip is localized now, while the gradients are certainly there (host syncs,
-        on skipped steps only).
+        on skipped steps only). A flag is read when the overflow is asked for, up to the end of
+        the next iteration: it must not change before then.
         """
         current = self._current
         current.started = True
+        current.scale = scale
         if isinstance(found_inf, torch.Tensor):
-            current.fused.append((optimizer, found_inf, scale))
+            current.fused.append((optimizer, found_inf))
         elif found_inf:
-            step = 0 if counters is None else int(counters.tensor()[0].item())
+            step = 0 if counters is None else int(counters.steps.item())
             events = None if self._tracer is None else self._tracer.events
             current.reports.append(self._localize([optimizer], step, float(scale.item()), events))
 
@@ -225,20 +220,20 @@ class Monitor:
         new_scale: torch.Tensor,
         counters: StepCounters,
     ) -> None:
-        """End the iteration: emit its record if anything consumes records; re-arm the probe."""
-        pending = self._probe.take() if self._probe is not None else None
+        """End the iteration: emit its record if anything consumes records; move the probe on.
+
+        ``old_scale`` is a copy of the scale from before the update, kept by the iteration;
+        ``new_scale`` (the live scale) is read only here; ``counters`` have counted the
+        iteration already.
+        """
+        current = self._current
+        current.scale = old_scale
+        pending = None if self._probe is None else self._probe.end_iteration()
         if self._tracer is not None:
-            self._current.trace = self._tracer.take()
+            current.trace = self._tracer.take()
         if self.consuming:
             self._emit(found_inf, old_scale, new_scale, counters, pending)
-        self._finished, self._current = self._current, _Iteration()
-        self._iterations += 1
-        if self._probe is not None:
-            due = self._probing()
-            if due and not self._probe.armed:
-                self._probe.arm(self._live_models())
-            elif not due and self._probe.armed:
-                self._probe.disarm()
+        self._finished, self._current = current, _Iteration()
 
     def _emit(
         self,
@@ -249,10 +244,11 @@ class Monitor:
         pending: PendingProbe | None,
     ) -> None:
         device = old_scale.device
-        tensors = [found_inf, old_scale, new_scale, counters.tensor()[0]]
+        outcome = [found_inf, old_scale, new_scale, counters.steps]
+        packed = torch.stack([t.to(device, torch.float64) for t in outcome])
         if pending is not None:
-            tensors += pending.tensors
-        values = torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()  # sync
+            packed = torch.cat([packed, pending.values.to(device)])
+        values = packed.tolist()  # the one host sync
         found, old, new, steps = values[:4]
         step = int(steps) - 1
         skipped = found > 0
@@ -263,13 +259,8 @@ class Monitor:
             skipped=skipped,
             time=time.time(),
             overflow=self._resolve(self._current, lambda: step) if skipped else None,
-            probe=None if pending is None else pending.finish(values[4:]),
+            probe=None if pending is None else pending.finish(values[4:], old),
         )
-        self._dispatch(record)
-
-    def _dispatch(self, record: StepRecord) -> None:
-        if self._history is not None:
-            self._history.append(record)
         for sink in self._sinks:
             sink.write(record)
         fired = [
@@ -293,7 +284,7 @@ class Monitor:
         events: list[TraceEvent] | None,
     ) -> OverflowReport:
         origin = None if events is None else NonFiniteTracer.origin(events)
-        return diagnostics.locate_overflow(
+        return localize.locate_overflow(
             optimizers, self.names, step=step, scale=scale, origin=origin
         )
 
@@ -301,16 +292,13 @@ class Monitor:
         if iteration.resolved:
             return iteration.report
         reports = list(iteration.reports)
-        overflowed = [(opt, scale) for opt, flag, scale in iteration.fused if bool(flag.item())]
-        if overflowed:
+        overflowed = [opt for opt, flag in iteration.fused if bool(flag.item())]
+        if overflowed and iteration.scale is not None:
             events = iteration.trace
             if events is None and self._tracer is not None:
                 events = self._tracer.events
-            reports.append(
-                self._localize(
-                    [opt for opt, _ in overflowed], step(), float(overflowed[0][1].item()), events
-                )
-            )
+            scale = float(iteration.scale.item())
+            reports.append(self._localize(overflowed, step(), scale, events))
         iteration.report = merge_reports(reports) if reports else None
         iteration.resolved = True
         return iteration.report
@@ -325,7 +313,7 @@ class Monitor:
         iteration = self._current if current else self._finished
 
         def step() -> int:
-            done = 0 if counters is None else int(counters.tensor()[0].item())
+            done = 0 if counters is None else int(counters.steps.item())
             return done if current else done - 1
 
         return self._resolve(iteration, step)
@@ -334,21 +322,18 @@ class Monitor:
 
     def __getstate__(self) -> dict[str, Any]:
         # Sinks, callbacks, hooks and watched models belong to this process and this object;
-        # a copy keeps the configuration and the history, and is watched and attached anew.
+        # a copy keeps what configures it (the probe's and tracer's settings) and the history,
+        # and is watched and given sinks anew.
         return {
             "enabled": self._enabled,
-            "history_size": self._history_size,
-            "probe_every": self._probe_every,
-            "trace_nonfinite": self._trace_nonfinite,
-            "history": self.history,
+            "histories": [sink for sink in self._sinks if isinstance(sink, StepHistory)],
+            "observers": [o for o in (self._probe, self._tracer) if o is not None],
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            enabled=state["enabled"],
-            history_size=state["history_size"],
-            probe_every=state["probe_every"],
-            trace_nonfinite=state["trace_nonfinite"],
-        )
-        if self._history is not None:
-            self._history.extend(state["history"])
+        self.__init__(state["enabled"])  # type: ignore[misc]
+        for history in state["histories"]:
+            self.add_sink(history)
+        for observer in state["observers"]:
+            self.attach(observer)
+

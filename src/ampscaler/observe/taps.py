@@ -6,6 +6,7 @@ calls ``callback(module_name, where, grad)`` with ``where`` one of ``"output"`` 
 arriving at the module), ``"input"`` (the gradient its backward passes on) and ``"param"``.
 Tensor hooks never change the gradient. Used by the underflow probe and the non-finite tracer;
 nothing is registered until :meth:`GradTaps.attach`, and :meth:`GradTaps.detach` removes it all.
+:class:`WatchedModels` remembers, weakly, which models to tap when hooks come and go.
 
 Example:
     >>> import torch
@@ -28,7 +29,7 @@ from functools import partial
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradTaps", "leaf_modules"]
+__all__ = ["GradTaps", "WatchedModels", "leaf_modules"]
 
 Tap = Callable[[str, str, torch.Tensor], None]
 
@@ -42,6 +43,37 @@ def leaf_modules(model: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str
     for name, module in model.named_modules():
         if next(module.children(), None) is None:
             yield (lead + name if name else prefix or type(module).__name__), module
+
+
+class WatchedModels:
+    """``(model, prefix)`` pairs, held through weak references: watching keeps nothing alive.
+
+    Example:
+        >>> models = WatchedModels()
+        >>> encoder = torch.nn.Linear(1, 1)
+        >>> models.add(encoder, "encoder")
+        >>> models.add(torch.nn.Linear(1, 1), "dropped")   # nothing else holds this one
+        >>> [prefix for _, prefix in models]
+        ['encoder']
+    """
+
+    def __init__(self) -> None:
+        self._models: list[tuple[weakref.ref[torch.nn.Module], str]] = []
+
+    def add(self, model: torch.nn.Module, prefix: str = "") -> None:
+        """Remember ``model`` (weakly) with the ``prefix`` of its names."""
+        self._models.append((weakref.ref(model), prefix))
+
+    def clear(self) -> None:
+        """Forget every model."""
+        self._models = []
+
+    def __iter__(self) -> Iterator[tuple[torch.nn.Module, str]]:
+        """The models still alive, in the order they were added (dead ones are forgotten)."""
+        alive = [(ref(), prefix) for ref, prefix in self._models]
+        live = [(model, prefix) for model, prefix in alive if model is not None]
+        self._models = [(weakref.ref(model), prefix) for model, prefix in live]
+        return iter(live)
 
 
 def _tensors(value: object) -> Iterator[torch.Tensor]:

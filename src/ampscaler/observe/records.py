@@ -1,8 +1,8 @@
 """Step records: what one iteration did to the scale, as plain data, and the JSONL log format.
 
 A :class:`StepRecord` is made at the end of every ``update()`` that follows a ``step()`` while
-something consumes records (``history_size``, a sink, or an event callback). As JSON, one object
-per line::
+something consumes records (a sink such as :class:`~ampscaler.StepHistory` or
+:class:`~ampscaler.JsonlSink`, or an event callback). As JSON, one object per line::
 
     {"format": "ampscaler.step/1", "step": 41, "time": 1718000000.25, "scale": 65536.0,
      "new_scale": 32768.0, "skipped": true,
@@ -10,14 +10,20 @@ per line::
                   "scale": 65536.0, "rank": null, "ranks": [], "origin": null},
      "probe": null}
 
-``overflow`` is present on skipped steps, ``probe`` on probed ones (see :mod:`ampscaler.probe`).
-Non-finite numbers are written as the strings ``"inf"``, ``"-inf"`` and ``"nan"`` so that every
-line is strict JSON.
+``overflow`` is present on skipped steps, ``probe`` on probed ones (see
+:mod:`ampscaler.observe.probe`). ``loss`` and ``lr`` are written when a record carries them (the
+scaler's records do not; the demo's do). Non-finite numbers are written as the strings
+``"inf"``, ``"-inf"`` and ``"nan"`` so that every line is strict JSON. A line may hold other
+keys (the demo's log adds ``"arm"``); :func:`read_log` ignores them.
+
+:meth:`StepRecord.to_json_line` writes a line and :func:`read_log` reads a log back.
 
 Example:
     >>> record = StepRecord(step=3, scale=1024.0, new_scale=2048.0, skipped=False, time=0.0)
     >>> str(record)
     'step 3: scale 1024, grew to 2048'
+    >>> record.to_json_line()[:53]
+    '{"format": "ampscaler.step/1", "step": 3, "time": 0.0'
     >>> StepRecord.from_dict(record.as_dict()) == record
     True
 """
@@ -29,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .diagnostics import OverflowReport
-from .errors import LogFormatError
+from ..errors import LogFormatError
+from .localize import OverflowReport
 from .probe import ProbeResult
 
 __all__ = ["FORMAT", "StepRecord", "read_log"]
@@ -50,7 +56,11 @@ class StepRecord:
         skipped: whether the gradients held inf/NaN, so the optimizer step was skipped.
         time: wall-clock time of the ``update()`` (``time.time()``).
         overflow: on skipped steps, which parameters held inf/NaN.
-        probe: on probed steps (``probe_every``), the underflow and headroom measurements.
+        probe: on probed steps (a :class:`~ampscaler.GradientProbe` is attached), the underflow
+            and headroom measurements.
+        loss: the iteration's loss, when the code that made the record knows it (the scaler
+            does not; the demo does).
+        lr: the learning rate of the iteration, likewise.
     """
 
     step: int
@@ -60,6 +70,8 @@ class StepRecord:
     time: float
     overflow: OverflowReport | None = None
     probe: ProbeResult | None = None
+    loss: float | None = None
+    lr: float | None = None
 
     @property
     def grew(self) -> bool:
@@ -92,7 +104,7 @@ class StepRecord:
 
     def as_dict(self) -> dict[str, Any]:
         """The record as one JSON object (the JSONL line format, see the module docstring)."""
-        return {
+        data: dict[str, Any] = {
             "format": FORMAT,
             "step": self.step,
             "time": self.time,
@@ -102,6 +114,27 @@ class StepRecord:
             "overflow": None if self.overflow is None else self.overflow.as_dict(),
             "probe": None if self.probe is None else self.probe.as_dict(),
         }
+        if self.loss is not None:
+            data["loss"] = self.loss
+        if self.lr is not None:
+            data["lr"] = self.lr
+        return data
+
+    def to_json_line(self, **extra: Any) -> str:
+        """The record as one line of the JSONL log, without the newline.
+
+        ``extra`` adds keys of the caller's own (``arm="fp32"``), written first; they must not
+        be the record's.
+
+        Raises:
+            ValueError: an ``extra`` key is one of the record's, or the line would not be strict
+                JSON (a non-finite ``loss``, say).
+        """
+        data = self.as_dict()
+        taken = sorted(extra.keys() & data.keys())
+        if taken:
+            raise ValueError(f"to_json_line(): {', '.join(taken)} are step record keys already.")
+        return json.dumps({**extra, **data}, allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepRecord:
@@ -119,6 +152,8 @@ class StepRecord:
             time=float(data["time"]),
             overflow=None if overflow is None else OverflowReport.from_dict(overflow),
             probe=None if probe is None else ProbeResult.from_dict(probe),
+            loss=None if data.get("loss") is None else float(data["loss"]),
+            lr=None if data.get("lr") is None else float(data["lr"]),
         )
 
 

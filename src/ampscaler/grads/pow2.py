@@ -26,6 +26,7 @@ unscales exactly as torch does.
 Example:
     >>> import torch
     >>> from ampscaler.policy import ScalePolicy
+    >>> from ampscaler.grads.pow2 import Pow2Watch
     >>> watch = Pow2Watch(ScalePolicy(), torch.device("cpu"))
     >>> watch.saw(65536.0)
     >>> watch.exact
@@ -41,7 +42,7 @@ import math
 
 import torch
 
-from .policy import ScalePolicy, float32_value
+from ..policy import Policy, StaticPolicy, float32_value
 
 __all__ = ["Pow2Watch", "pow2_exponent"]
 
@@ -75,8 +76,8 @@ class _HostCopy:
             self._value.copy_(scale, non_blocking=True)  # on the scale device's current stream
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record(torch.cuda.current_stream(scale.device))
-        else:  # the CPU: the scaler never modifies a scale tensor in place
-            self._value = scale
+        else:  # the CPU: the value is at hand (the scale is updated in place, so read it now)
+            self._value = scale.clone()
 
     def landed(self) -> bool:
         return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
@@ -93,7 +94,7 @@ class Pow2Watch:
         device: the scale's device.
     """
 
-    def __init__(self, policy: ScalePolicy, device: torch.device) -> None:
+    def __init__(self, policy: Policy, device: torch.device) -> None:
         self._device_ok = device.type in ("cpu", "cuda")
         self._updates = 0
         # A lower bound on the scale's exponent as of update number _known_at (None: the
@@ -105,13 +106,12 @@ class Pow2Watch:
         self._floor: int | None = None
         self.set_policy(policy)
 
-    def set_policy(self, policy: ScalePolicy) -> None:
+    def set_policy(self, policy: Policy) -> None:
         """Use ``policy`` for the updates from now on."""
         self._renew_from_bound()
         self._drop = _exponent_drop(policy)
-        self._floor = pow2_exponent(
-            None if policy.min_scale is None else float32_value(policy.min_scale)
-        )
+        low = None if isinstance(policy, StaticPolicy) else policy.min_scale
+        self._floor = pow2_exponent(None if low is None else float32_value(low))
         if self._drop is None:
             self._known = None
 
@@ -160,10 +160,10 @@ class Pow2Watch:
         self._pending = None
 
 
-def _exponent_drop(policy: ScalePolicy) -> int | None:
+def _exponent_drop(policy: Policy) -> int | None:
     """How far the scale's exponent can fall per ``update()`` under ``policy`` (0 for a static
     scale), or ``None`` when the policy can turn a power of two into something else."""
-    if not policy.dynamic:
+    if isinstance(policy, StaticPolicy):
         return 0
     bounds = [b for b in (policy.min_scale, policy.max_scale) if b is not None]
     if pow2_exponent(policy.growth_factor) is None or any(

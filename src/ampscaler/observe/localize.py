@@ -1,20 +1,44 @@
-"""Where an overflow happened: naming the parameters whose gradients held inf or NaN.
+"""Where an overflow happened: the parameters whose gradients held inf or NaN, and the module
+whose backward produced them.
 
-Localization runs only on steps already known to be skipped, so clean steps pay nothing. It
-screens all gradients with one batched L1 norm per device and dtype (one host sync each; a norm
-is non-finite when an element is), and looks closer only at the tensors that fail the screen.
+**Naming parameters.** :func:`locate_overflow` runs only on steps already known to be skipped,
+so clean steps pay nothing. It screens all gradients with one batched L1 norm per device and
+dtype (one host sync each; a norm is non-finite when an element is), and looks closer only at
+the tensors that fail the screen. Gradients come from
+:func:`~ampscaler.grads.collect.grad_views` (DTensor shards, sparse values), names from
+:class:`ParamNames`.
+
+**Naming the module.** :class:`NonFiniteTracer` (``scaler.attach(NonFiniteTracer())``) taps
+every leaf module of the watched models. During each backward it records, on the device and
+without a host sync, whether the gradient arriving at a module's outputs, the gradient it passes
+to its inputs and the gradients of its own parameters are finite. Only when a step is skipped
+are these flags read (one host sync) and judged:
+
+* a module *produced* a non-finite gradient when its input or parameter gradients are
+  non-finite while every gradient that arrived at its outputs was finite;
+* the origin is the first such module in backward order;
+* when no module produced one but some output gradient was already non-finite, the gradient
+  came from the loss (or from code between the watched modules and the loss):
+  :data:`LOSS_ORIGIN`.
+
+The tracer costs one small reduction per tapped tensor per backward, and a Python call per
+hook; see docs/diagnostics.md for measurements.
 
 Example:
     >>> import torch
-    >>> from ampscaler.diagnostics import ParamNames, locate_overflow
-    >>> model = torch.nn.Linear(2, 1)
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> names = ParamNames()
     >>> names.watch(model)
-    >>> model.weight.grad = torch.tensor([[float("inf"), 0.0]])
-    >>> report = locate_overflow([opt], names, step=7)
-    >>> report.names, report.kinds
-    (['weight'], {'weight': 'inf'})
+    >>> tracer = NonFiniteTracer()
+    >>> tracer.watch(model)
+    >>> with torch.no_grad():
+    ...     _ = model[1].weight.fill_(float("inf"))
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> origin = NonFiniteTracer.origin(tracer.take())   # one host sync
+    >>> report = locate_overflow([opt], names, step=7, origin=origin)
+    >>> report.names, report.kinds, report.origin
+    (['0.weight', '0.bias'], {'0.weight': 'inf', '0.bias': 'inf'}, '1')
 """
 
 from __future__ import annotations
@@ -22,23 +46,31 @@ from __future__ import annotations
 import math
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .distributed import local_tensor
-from .grads import iter_params
+from ..grads.collect import grad_views
+from .taps import GradTaps
 
 __all__ = [
+    "LOSS_ORIGIN",
+    "NonFiniteTracer",
     "OverflowReport",
     "ParamNames",
-    "iter_grad_values",
+    "TraceEvent",
     "locate_overflow",
     "merge_reports",
     "nonfinite_kinds",
 ]
+
+LOSS_ORIGIN = "<loss>"
+"""The origin of a non-finite gradient that reached the watched modules from the loss."""
+
+TraceEvent = tuple[str, str, torch.Tensor]
+"""``(module name, "input" / "output" / "param", 0-dim finite flag)``: one tapped gradient."""
 
 
 class ParamNames:
@@ -97,7 +129,7 @@ class OverflowReport:
         kinds: name -> ``"inf"``, ``"nan"`` or ``"inf+nan"``.
         scale: the loss scale the gradients were computed with.
         rank: the process's rank in the default process group, or ``None`` when not distributed.
-        origin: with ``GradScaler(trace_nonfinite=True)``, the first watched module whose
+        origin: with a :class:`NonFiniteTracer` attached, the first watched module whose
             backward produced a non-finite gradient; ``"<loss>"`` when the gradient arriving
             from the loss (or from code outside the watched modules) was already non-finite;
             ``None`` when not traced.
@@ -162,22 +194,6 @@ class OverflowReport:
         )
 
 
-def iter_grad_values(
-    optimizers: Iterable[torch.optim.Optimizer],
-) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """``(group_index, param_index, param, values)`` for every parameter with a gradient.
-
-    ``values`` is the gradient itself, its local shard for a DTensor, or the values of a
-    sparse gradient.
-    """
-    for optimizer in optimizers:
-        for group_index, param_index, param in iter_params(optimizer):
-            grad = param.grad
-            if grad is not None:
-                grad = local_tensor(grad)
-                yield group_index, param_index, param, grad._values() if grad.is_sparse else grad
-
-
 def _rank() -> int | None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -232,7 +248,7 @@ def locate_overflow(
     labels: list[str] = []
     values: list[torch.Tensor] = []
     with torch.no_grad():
-        for group_index, param_index, param, grad in iter_grad_values(optimizers):
+        for group_index, param_index, param, grad in grad_views(optimizers):
             labels.append(names.name(param, group_index, param_index))
             values.append(grad)
         kinds = nonfinite_kinds(values)
@@ -271,3 +287,83 @@ def merge_reports(reports: Sequence[OverflowReport]) -> OverflowReport:
         ranks=first.ranks,
         origin=origin,
     )
+
+
+def _finite_flag(grad: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: whether ``grad`` is all finite. No host sync.
+
+    A sum is non-finite when an element is, and far cheaper than ``isfinite(grad).all()``;
+    half-precision gradients are summed in float32, so finite ones cannot overflow it.
+    """
+    values = grad._values() if grad.is_sparse else grad
+    wide = torch.float32 if values.dtype in (torch.float16, torch.bfloat16) else None
+    return torch.isfinite(values.sum(dtype=wide))
+
+
+class NonFiniteTracer:
+    """Records finiteness flags of the gradients around watched modules, judged on demand.
+
+    Attach one to a scaler with ``scaler.attach(NonFiniteTracer())`` (or
+    ``GradScaler(..., trace_nonfinite=True)``): the scaler taps the models it watches, and the
+    :attr:`OverflowReport.origin` of a skipped step names the module whose backward produced
+    the inf or NaN. Standalone, :meth:`watch` a model and judge :meth:`take`'s events with
+    :meth:`origin` (see the module docstring).
+    """
+
+    def __init__(self) -> None:
+        self._events: list[TraceEvent] = []
+        self._taps = GradTaps(self._record, inputs=True, params=True)
+
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
+        """Tap the leaf modules of ``model`` (names prefixed by ``prefix``) from now on."""
+        self._taps.attach(model, prefix)
+
+    def detach(self) -> None:
+        """Remove every hook (the tracer records nothing more)."""
+        self._taps.detach()
+
+    def _record(self, name: str, where: str, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._events.append((name, where, _finite_flag(grad)))
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        """The flags recorded since the last :meth:`take`, in backward order."""
+        return self._events
+
+    def take(self) -> list[TraceEvent]:
+        """Return the recorded flags and start a new list (called once per iteration)."""
+        events, self._events = self._events, []
+        return events
+
+    @staticmethod
+    def origin(events: list[TraceEvent]) -> str | None:
+        """The origin of the non-finite gradients among ``events`` (one host sync), or ``None``.
+
+        ``None`` when every recorded gradient was finite (for example when the inf or NaN was
+        put into ``.grad`` after backward, or the culprit is not in a watched module).
+        """
+        if not events:
+            return None
+        devices = {flag.device for _, _, flag in events}
+        target = next(iter(devices))
+        finite = torch.stack([flag.to(target) for _, _, flag in events]).tolist()
+        received_bad = {
+            name for (name, where, _), ok in zip(events, finite, strict=True)
+            if where == "output" and not ok
+        }
+        for (name, where, _), ok in zip(events, finite, strict=True):
+            if where != "output" and not ok and name not in received_bad:
+                return name
+        return LOSS_ORIGIN if received_bad else None
+
+    def __getstate__(self) -> dict[str, object]:
+        # Hooks belong to this process and these models: a copy is a fresh tracer, tapping the
+        # models its scaler watches anew.
+        return {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return "NonFiniteTracer()"

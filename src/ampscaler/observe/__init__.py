@@ -1,0 +1,17 @@
+"""Everything that observes steps, one job per module.
+
+- :mod:`~ampscaler.observe.records`: :class:`~ampscaler.StepRecord`, what one iteration did, and
+  its JSONL format (the line writer and :func:`~ampscaler.read_log` together);
+- :mod:`~ampscaler.observe.sinks`: the :class:`~ampscaler.Sink` protocol and the sinks
+  (:class:`~ampscaler.StepHistory`, JSONL, TensorBoard, ``logging``);
+- :mod:`~ampscaler.observe.monitor`: the per-iteration bookkeeping the scaler reports each step
+  and update to, which makes the records and hands them to the sinks and callbacks;
+- :mod:`~ampscaler.observe.localize`: which parameters held inf/NaN on a skipped step, and with
+  :class:`~ampscaler.NonFiniteTracer`, which module's backward produced them;
+- :mod:`~ampscaler.observe.probe`: :class:`~ampscaler.GradientProbe`, how much of the gradient
+  fp16 flushes to zero and how close it is to overflow;
+- :mod:`~ampscaler.observe.taps`: the module hooks the probe and the tracer share.
+
+Gradients are read through :func:`ampscaler.grads.collect.grad_views`, the one walk over an
+optimizer's gradients.
+"""

@@ -1,0 +1,458 @@
+"""The underflow and headroom probe: how much of the gradient fp16 loses, and how close to overflow.
+
+Attach one with ``scaler.attach(GradientProbe(every=N))`` (or ``GradScaler(..., probe_every=N)``).
+On the first iteration after attaching and every ``N``-th after it, it measures
+
+* **underflow** (a): of the non-zero gradient elements at the current scale (as the optimizer's
+  gradients hold them before unscaling), the fraction that would flush to zero if stored in fp16
+  (``|g| <= 2**-25``), and the same fraction for the gradients divided by the scale, i.e. what
+  training without loss scaling would lose;
+* **headroom** (b): ``log2(65504 / max|g|)`` for the scaled gradients ``g``, the number of times
+  the scale could double before the largest gradient overflows fp16 (negative: it already
+  overflowed; ``inf``: every gradient is zero);
+* **per-module underflow** (c): through hooks on the leaf modules of the watched models, the
+  gradient elements arriving at each module's outputs as fp16 holds them: how many are zero or
+  subnormal (``|g| < 2**-14``, fewer than 10 significant bits left) and how many are exactly zero
+  (:class:`UnderflowCounts`). A gradient of another dtype (an fp32 model, or a module autocast
+  runs in fp32) is rounded to fp16 first, so for it the counts say what fp16 *would* lose; its
+  exact zeros carry no signal and are not counted. An fp16 gradient's zeros are counted: without
+  a reference, nothing tells a flushed element from one that was zero all along.
+
+**Against an fp32 reference.** An element that is zero in fp16 may have been flushed, or may
+have been zero all along (behind a ReLU, say). To tell them apart, run the same step once more
+without autocast and without loss scaling, on the same batch, inside
+:meth:`GradientProbe.reference` just before the real backward: the module gradients of that pass
+become the reference, and elements whose reference is zero carry no signal and are left out of
+(c). This is the measurement the Mixed Precision Training paper (Micikevicius et al., 2018)
+reports for SSD; ``python -m ampscaler demo`` makes it on every probed step. It costs one more
+forward and backward, and holds the reference gradients until the probed backward has used them.
+
+Everything is computed on the device. Attached to a scaler, the results travel with the step
+record's one host sync (:attr:`StepRecord.probe <ampscaler.StepRecord.probe>`); standalone,
+:meth:`PendingProbe.read` reads them. The module hooks exist only during probed iterations.
+
+Example:
+    Standalone (a scaler calls :meth:`~GradientProbe.measure` and
+    :meth:`~GradientProbe.end_iteration` itself):
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> probe = GradientProbe(every=100)
+    >>> probe.watch(model)
+    >>> with torch.autocast("cpu", dtype=torch.float16):
+    ...     out = model(torch.ones(2, 4))
+    >>> (out.float().sum() * 1e-8).backward()   # the output's gradient is 1e-8: zero in fp16
+    >>> probe.measure(optimizer, torch.tensor(1.0))
+    >>> result = probe.end_iteration().read(scale=1.0)
+    >>> result.module_counts["1"]
+    UnderflowCounts(carrying_signal=2, underflowed=2, flushed=2)
+    >>> probe.due   # the next probe is 100 iterations on
+    False
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InvalidConfigError
+from ..grads.collect import grad_views
+from .taps import GradTaps, WatchedModels
+
+__all__ = [
+    "FP16_MAX",
+    "GradientProbe",
+    "PendingProbe",
+    "ProbeResult",
+    "UnderflowCounts",
+    "count_underflow",
+]
+
+FP16_MAX = 65504.0
+FLUSH_TO_ZERO = 2.0**-25  # fp16 rounds |x| <= 2**-25 to zero (half the smallest subnormal)
+SMALLEST_NORMAL = 2.0**-14
+WORST_MODULES = 10
+
+
+def _number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+@dataclass(frozen=True)
+class UnderflowCounts:
+    """Gradient elements as fp16 holds them: one module's on one probe, or any sum of those.
+
+    Attributes:
+        carrying_signal: the elements counted: those whose fp32 reference is non-zero; without
+            a reference, every element of an fp16 gradient, the non-zero ones of any other.
+        underflowed: of those, the ones zero or subnormal in fp16 (``|g| < 2**-14``).
+        flushed: of those, the ones exactly zero in fp16 (``|g| <= 2**-25`` rounds to 0).
+
+    Example:
+        >>> UnderflowCounts(4, 3, 2) + UnderflowCounts(4, 1, 0)
+        UnderflowCounts(carrying_signal=8, underflowed=4, flushed=2)
+    """
+
+    carrying_signal: int = 0
+    underflowed: int = 0
+    flushed: int = 0
+
+    def __add__(self, other: UnderflowCounts) -> UnderflowCounts:
+        return UnderflowCounts(
+            self.carrying_signal + other.carrying_signal,
+            self.underflowed + other.underflowed,
+            self.flushed + other.flushed,
+        )
+
+    @property
+    def fraction(self) -> float:
+        """Underflowed (zero or subnormal) among the elements carrying signal; 0 if none."""
+        return self.underflowed / self.carrying_signal if self.carrying_signal else 0.0
+
+    @property
+    def flushed_fraction(self) -> float:
+        """Exactly zero among the elements carrying signal; 0 if none."""
+        return self.flushed / self.carrying_signal if self.carrying_signal else 0.0
+
+    def as_dict(self) -> dict[str, int]:
+        """Plain JSON-ready data."""
+        return {
+            "carrying_signal": self.carrying_signal,
+            "underflowed": self.underflowed,
+            "flushed": self.flushed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UnderflowCounts:
+        """The inverse of :meth:`as_dict`."""
+        return cls(int(data["carrying_signal"]), int(data["underflowed"]), int(data["flushed"]))
+
+
+def _count(grad: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
+    """``[carrying signal, underflowed, flushed]`` for ``grad``, an int64 tensor on its device.
+
+    A gradient not held in fp16 is its own reference. No host sync.
+    """
+    if reference is None and grad.dtype is not torch.float16:
+        reference = grad
+    if reference is not None and reference.shape != grad.shape:
+        raise ValueError(
+            f"The gradient has shape {tuple(grad.shape)} but its reference has "
+            f"{tuple(reference.shape)}; both must come from the same module and batch."
+        )
+    with torch.no_grad():
+        held = grad.detach().to(torch.float16).abs()
+        small = held < SMALLEST_NORMAL
+        zero = held == 0
+        if reference is None:
+            signal = torch.full((), held.numel(), dtype=torch.int64, device=held.device)
+        else:
+            carries = reference.to(held.device) != 0
+            small &= carries
+            zero &= carries
+            signal = torch.count_nonzero(carries)
+        return torch.stack([signal, torch.count_nonzero(small), torch.count_nonzero(zero)])
+
+
+def count_underflow(grad: torch.Tensor, reference: torch.Tensor | None = None) -> UnderflowCounts:
+    """Count one gradient as fp16 holds it, against its fp32 ``reference`` if given (a host sync).
+
+    This is what the probe's module hooks count, on the device, for every tapped gradient.
+
+    Raises:
+        ValueError: ``reference`` has another shape than ``grad``.
+
+    Example:
+        >>> count_underflow(torch.tensor([1e-9, 1e-6, 1.0, 0.0]))   # flushed, subnormal, normal
+        UnderflowCounts(carrying_signal=3, underflowed=2, flushed=1)
+        >>> count_underflow(torch.tensor([1e-9, 1e-6, 1.0, 0.0]).half())  # zero in fp16: counted
+        UnderflowCounts(carrying_signal=4, underflowed=3, flushed=2)
+    """
+    signal, underflowed, flushed = _count(grad, reference).tolist()
+    return UnderflowCounts(signal, underflowed, flushed)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one probe measured (the ``probe`` field of a step record).
+
+    Attributes:
+        scale: the loss scale of the probed gradients.
+        elements: optimizer gradient elements examined (sparse gradients: their stored values;
+            0 when only modules were measured).
+        nonzero: of those, the non-zero ones.
+        underflow_at_scale: fraction of the non-zero elements that would flush to zero in fp16
+            at ``scale``.
+        underflow_at_one: the same fraction for the gradients divided by ``scale``.
+        headroom_log2: ``log2(65504 / max|scaled gradient|)``.
+        modules: the worst watched leaf modules (up to ``worst_modules``, 10 by default) ->
+            the fraction of their output gradients' elements carrying signal that are zero or
+            subnormal in fp16; worst first.
+        module_counts: the counts behind ``modules``, same modules, same order (empty when
+            read from older logs, which hold only the fractions).
+    """
+
+    scale: float
+    elements: int
+    nonzero: int
+    underflow_at_scale: float
+    underflow_at_one: float
+    headroom_log2: float
+    modules: dict[str, float] = field(default_factory=dict)
+    module_counts: dict[str, UnderflowCounts] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data; non-finite floats are written as strings (``"inf"``)."""
+        return {
+            "scale": self.scale,
+            "elements": self.elements,
+            "nonzero": self.nonzero,
+            "underflow_at_scale": self.underflow_at_scale,
+            "underflow_at_one": self.underflow_at_one,
+            "headroom_log2": _number(self.headroom_log2),
+            "modules": dict(self.modules),
+            "module_counts": {name: c.as_dict() for name, c in self.module_counts.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProbeResult:
+        """The inverse of :meth:`as_dict`."""
+        return cls(
+            scale=float(data["scale"]),
+            elements=int(data["elements"]),
+            nonzero=int(data["nonzero"]),
+            underflow_at_scale=float(data["underflow_at_scale"]),
+            underflow_at_one=float(data["underflow_at_one"]),
+            headroom_log2=float(data["headroom_log2"]),  # float() also reads "inf", "nan"
+            modules={str(k): float(v) for k, v in data["modules"].items()},
+            module_counts={
+                str(k): UnderflowCounts.from_dict(v)
+                for k, v in data.get("module_counts", {}).items()
+            },
+        )
+
+
+def _headroom(largest: float) -> float:
+    if math.isnan(largest):
+        return math.nan
+    if largest == 0.0:
+        return math.inf
+    return math.log2(FP16_MAX / largest) if math.isfinite(largest) else -math.inf
+
+
+@dataclass(frozen=True)
+class PendingProbe:
+    """A probe's results on the device, waiting for a host sync.
+
+    Attributes:
+        elements: optimizer gradient elements measured (0: none, only modules).
+        values: a 1-D float64 tensor: with ``elements``, the zero count, the counts at or below
+            the flush threshold at the scale and at scale 1, and the largest magnitude; then
+            three counts per module of ``modules`` (:class:`UnderflowCounts`' fields).
+        modules: the modules measured, in the order they were first tapped.
+        keep: how many of the worst modules the result keeps (``None``: all).
+    """
+
+    elements: int
+    values: torch.Tensor
+    modules: list[str]
+    keep: int | None
+
+    def finish(self, values: Sequence[float], scale: float) -> ProbeResult:
+        """The result from :attr:`values` read back from the device, for gradients at ``scale``."""
+        if self.elements:
+            zeros, flush_at_scale, flush_at_one, largest, *per_module = values
+        else:
+            zeros = flush_at_scale = flush_at_one = largest = 0.0
+            per_module = list(values)
+        nonzero = self.elements - int(zeros)
+        counts = {
+            name: UnderflowCounts(*(int(v) for v in per_module[3 * i : 3 * i + 3]))
+            for i, name in enumerate(self.modules)
+        }
+        worst = sorted(counts.items(), key=lambda item: item[1].fraction, reverse=True)
+        kept = dict(worst[: self.keep])
+        return ProbeResult(
+            scale=scale,
+            elements=self.elements,
+            nonzero=nonzero,
+            underflow_at_scale=(flush_at_scale - zeros) / nonzero if nonzero else 0.0,
+            underflow_at_one=(flush_at_one - zeros) / nonzero if nonzero else 0.0,
+            headroom_log2=_headroom(largest),
+            modules={name: c.fraction for name, c in kept.items()},
+            module_counts=kept,
+        )
+
+    def read(self, scale: float) -> ProbeResult:
+        """Read :attr:`values` (a host sync) and :meth:`finish`."""
+        return self.finish(self.values.tolist(), scale)
+
+
+def _check_count(name: str, value: object, *, optional: bool) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        none = " or None" if optional else ""
+        raise InvalidConfigError(
+            f"GradientProbe {name} must be an int >= 1{none}, got {value!r}."
+        )
+
+
+class GradientProbe:
+    """Measures the gradients of every ``every``-th iteration; see the module docstring.
+
+    Args:
+        every: probe the first iteration after attaching and every ``every``-th after it.
+        worst_modules: how many modules a result keeps, worst first (``None``: all).
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) ``every`` or ``worst_modules`` is not an int >= 1.
+    """
+
+    def __init__(self, every: int = 1, *, worst_modules: int | None = WORST_MODULES) -> None:
+        _check_count("every", every, optional=False)
+        _check_count("worst_modules", worst_modules, optional=True)
+        self._every = every
+        self._worst_modules = worst_modules
+        self._taps = GradTaps(self._tap)
+        self._models = WatchedModels()
+        self._iteration = 0
+        self._recording_reference = False
+        self._reference: dict[str, list[torch.Tensor]] = {}
+        # (a) and (b), per device and dtype: [zeros, <= flush at scale, <= flush at 1], max|g|.
+        self._counts: list[torch.Tensor] = []
+        self._maxima: list[torch.Tensor] = []
+        self._elements = 0
+        # (c): module name -> [carrying signal, underflowed, flushed], summed over its taps.
+        self._modules: dict[str, torch.Tensor] = {}
+
+    @property
+    def every(self) -> int:
+        """The probe's period, in iterations."""
+        return self._every
+
+    @property
+    def due(self) -> bool:
+        """Whether the iteration in progress is probed."""
+        return self._iteration % self._every == 0
+
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
+        """Measure the leaf modules of ``model`` (names prefixed by ``prefix``) on probed
+        iterations. The model is held weakly."""
+        self._models.add(model, prefix)
+        if self.due:
+            self._taps.attach(model, prefix)
+
+    def detach(self) -> None:
+        """Remove the module hooks and forget the watched models."""
+        self._taps.detach()
+        self._models.clear()
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Inside, the backward passes tapped on a probed iteration record the fp32 reference.
+
+        Run the same forward and backward as the step to come, without autocast and without
+        loss scaling, then zero the gradients; the step's own backward is then counted against
+        it, module by module and in backward order (see the module docstring).
+
+        Example::
+
+            if probe.due:
+                with probe.reference():
+                    loss_fn(model(x).float(), y).backward()
+                optimizer.zero_grad()
+        """
+        self._reference = {}
+        self._recording_reference = True
+        try:
+            yield
+        finally:
+            self._recording_reference = False
+
+    def _tap(self, name: str, where: str, grad: torch.Tensor) -> None:
+        values = grad._values() if grad.is_sparse else grad
+        if values.numel() == 0:
+            return
+        if self._recording_reference:
+            self._reference.setdefault(name, []).append(values.detach())
+            return
+        queue = self._reference.get(name)
+        counts = _count(values, queue.pop(0) if queue else None)
+        previous = self._modules.get(name)
+        self._modules[name] = counts if previous is None else previous + counts
+
+    def measure(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
+        """Count ``optimizer``'s gradients at ``scale`` (before unscaling) if the iteration is
+        probed. Reads ``scale`` now. No host sync."""
+        if not self.due:
+            return
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for _, _, _, view in grad_views([optimizer]):
+            if view.numel():
+                groups[(view.device, view.dtype)].append(view.reshape(-1))
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                flat = torch.cat(grads).abs_() if len(grads) > 1 else grads[0].abs()
+                at_one = scale.to(device, non_blocking=True) * FLUSH_TO_ZERO
+                self._counts.append(
+                    torch.stack(
+                        [
+                            torch.count_nonzero(flat == 0),
+                            torch.count_nonzero(flat <= FLUSH_TO_ZERO),
+                            torch.count_nonzero(flat <= at_one),
+                        ]
+                    )
+                )
+                self._maxima.append(flat.max().float())
+                self._elements += flat.numel()
+
+    def end_iteration(self) -> PendingProbe | None:
+        """End the iteration: its results (``None`` if it measured nothing), and the hooks set
+        for the next one (registered when it is probed, removed otherwise). No host sync."""
+        pending = self._take()
+        self._reference = {}
+        self._iteration += 1
+        due, armed = self.due, self._taps.attached
+        if due and not armed:
+            for model, prefix in self._models:
+                self._taps.attach(model, prefix)
+        elif armed and not due:
+            self._taps.detach()
+        return pending
+
+    def _take(self) -> PendingProbe | None:
+        if not self._elements and not self._modules:
+            return None
+        parts: list[torch.Tensor] = []
+        if self._elements:
+            device = self._counts[0].device
+            counts = torch.stack([c.to(device) for c in self._counts]).sum(dim=0)
+            largest = torch.stack([m.to(device) for m in self._maxima]).max()
+            parts += [counts.double(), largest.double().reshape(1)]
+        else:
+            device = next(iter(self._modules.values())).device
+        parts += [c.to(device, torch.float64) for c in self._modules.values()]
+        pending = PendingProbe(
+            self._elements, torch.cat(parts), list(self._modules), self._worst_modules
+        )
+        self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
+        return pending
+
+    def __getstate__(self) -> dict[str, object]:
+        # Hooks and watched models belong to this process: a copy starts a fresh schedule and
+        # is given its scaler's models anew.
+        return {"every": self._every, "worst_modules": self._worst_modules}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["every"], worst_modules=state["worst_modules"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"GradientProbe(every={self._every}, worst_modules={self._worst_modules})"

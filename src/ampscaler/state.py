@@ -1,0 +1,244 @@
+"""The scaler's live state on the device: created once, updated in place.
+
+:class:`LiveState` holds every tensor that changes from step to step: the scale, the growth
+tracker and the hysteresis budget (a :class:`~ampscaler.policy.ScaleState` of 0-dim tensors)
+and the step counters. The tensor objects never change: ``update()``, ``update(new_scale)``,
+loading a checkpoint and the setters all write into them (``copy_``, ``fill_``), so a compiled
+graph or a CUDA graph that captured ``scaler.scale(loss)`` or a fused step reads the live value.
+
+Counting costs ``update()`` almost no device work: :meth:`StepCounters.record` keeps the
+iteration's inf flag and a copy of the scale it started from. The kept iterations are folded
+into five ``int64`` counters with a dozen vectorized ops when somebody reads the counters, or
+every :data:`FOLD_EVERY` iterations; nothing waits for the device until somebody reads
+:class:`ScalerStats`.
+
+Example:
+    >>> import torch
+    >>> from ampscaler.policy import ScalePolicy
+    >>> state = LiveState(ScalePolicy(growth_interval=1), torch.device("cpu"), scale=8.0)
+    >>> scale = state.scale
+    >>> _ = state.advance(ScalePolicy(growth_interval=1), torch.tensor(0.0))   # clean: grows
+    >>> state.scale is scale, state.scale.item(), state.counters.stats().growths
+    (True, 16.0, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .policy import Policy, ScaleState, initial_state
+
+__all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerStats", "StepCounters"]
+
+#: Iterations kept before they are folded into the counters, at the latest.
+FOLD_EVERY = 64
+
+
+@dataclass(frozen=True)
+class ScalerStats:
+    """What happened so far, as Python ints.
+
+    Attributes:
+        steps: iterations that reached ``update()`` after at least one ``step()`` or ``unscale_()``.
+        skipped: of those, iterations whose gradients held inf or NaN (the optimizer skipped).
+        growths: updates that raised the scale.
+        backoffs: updates that lowered the scale.
+        consecutive_skips: skipped iterations in a row, up to the latest one (0 after a clean one).
+    """
+
+    steps: int = 0
+    skipped: int = 0
+    growths: int = 0
+    backoffs: int = 0
+    consecutive_skips: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict, as stored in ``state_dict()["stats"]``."""
+        return asdict(self)
+
+
+class StepCounters:
+    """The counters of :class:`ScalerStats` on the device, starting from ``stats``.
+
+    The counters are read by name: :attr:`steps` and :attr:`consecutive_skips` as 0-dim
+    tensors (no sync), :meth:`stats` as Python ints (a host sync).
+
+    Args:
+        scale: the live scale tensor (read when kept iterations are folded).
+        stats: where the counts start.
+
+    Example:
+        >>> scale = torch.tensor(2.0)
+        >>> counters = StepCounters(scale)
+        >>> counters.record(torch.tensor(0.0), torch.tensor(1.0))   # clean, grew from 1 to 2
+        >>> counters.record(torch.tensor(1.0), scale.clone()); _ = scale.fill_(1.0)  # backed off
+        >>> counters.stats()
+        ScalerStats(steps=2, skipped=1, growths=1, backoffs=1, consecutive_skips=1)
+    """
+
+    def __init__(self, scale: torch.Tensor, stats: ScalerStats | None = None) -> None:
+        self._scale = scale
+        self._values = torch.zeros(5, dtype=torch.int64, device=scale.device)
+        self._found: list[torch.Tensor] = []
+        self._old: list[torch.Tensor] = []
+        self.reset(stats or ScalerStats())
+
+    def reset(self, stats: ScalerStats) -> None:
+        """Start again from ``stats`` (in place; forgets iterations not yet folded)."""
+        self._found, self._old = [], []
+        values = list(asdict(stats).values())
+        self._values.copy_(torch.tensor(values, dtype=torch.int64))
+
+    def record(self, found_inf: torch.Tensor, old_scale: torch.Tensor) -> None:
+        """Count one iteration: it overflowed iff ``found_inf > 0``; it started at
+        ``old_scale`` (a copy nobody modifies) and ended at the live scale's value now."""
+        self._found.append(found_inf)
+        self._old.append(old_scale)
+        if len(self._found) >= FOLD_EVERY:
+            self._fold()
+
+    @property
+    def steps(self) -> torch.Tensor:
+        """Iterations counted so far, a 0-dim int64 tensor on the device (no sync)."""
+        self._fold()
+        return self._values[0]
+
+    @property
+    def consecutive_skips(self) -> torch.Tensor:
+        """Skipped iterations in a row up to the latest, a 0-dim int64 tensor (no sync)."""
+        self._fold()
+        return self._values[4]
+
+    def stats(self) -> ScalerStats:
+        """The counters as Python ints (a host sync)."""
+        self._fold()
+        return ScalerStats(*(int(v) for v in self._values.tolist()))
+
+    def _fold(self) -> None:
+        count = len(self._found)
+        if not count:
+            return
+        device = self._values.device
+        overflow = torch.stack([flag.to(device, torch.float32) for flag in self._found]) > 0
+        old = torch.stack(self._old)
+        # Each iteration ended where the next one started; the last one ends at the live scale.
+        new = torch.cat((old[1:], self._scale.reshape(1)))
+        # The overflows at the end, in a row: 1s of the reversed flags up to their first 0.
+        trailing = overflow.flip(0).to(torch.int64).cumprod(0).sum()
+        steps, skipped, growths, backoffs, in_a_row = self._values.unbind()
+        self._values.copy_(
+            torch.stack(
+                (
+                    steps + count,
+                    skipped + overflow.sum(),
+                    growths + (new > old).sum(),
+                    backoffs + (new < old).sum(),
+                    trailing + in_a_row * (trailing == count),
+                )
+            )
+        )
+        self._found, self._old = [], []
+
+
+@dataclass(frozen=True)
+class HostState:
+    """The same values as :class:`LiveState`, as Python numbers: what a scaler holds before
+    its first ``scale()`` (when the device is not known yet), and what checkpoints and pickles
+    carry."""
+
+    scale: float
+    growth_tracker: int
+    hysteresis_left: int
+    stats: ScalerStats = ScalerStats()
+
+
+class LiveState:
+    """Scale, growth tracker, hysteresis budget and counters on ``device``, updated in place.
+
+    Args:
+        policy: the policy whose initial budget fills ``hysteresis_left`` by default.
+        device: where the state lives (the device of the first scaled tensor).
+        scale, growth_tracker, hysteresis_left, stats: the starting values.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        device: torch.device,
+        *,
+        scale: float,
+        growth_tracker: int = 0,
+        hysteresis_left: int | None = None,
+        stats: ScalerStats | None = None,
+    ) -> None:
+        self.tensors: ScaleState = initial_state(
+            policy, scale, device, growth_tracker, hysteresis_left
+        )
+        self.counters = StepCounters(self.tensors.scale, stats)
+
+    @classmethod
+    def from_host(cls, policy: Policy, device: torch.device, host: HostState) -> LiveState:
+        """The live state on ``device`` holding ``host``'s values."""
+        return cls(
+            policy,
+            device,
+            scale=host.scale,
+            growth_tracker=host.growth_tracker,
+            hysteresis_left=host.hysteresis_left,
+            stats=host.stats,
+        )
+
+    def to_host(self) -> HostState:
+        """The values as Python numbers (a host sync)."""
+        scale, tracker, budget = torch.stack(
+            [t.to(torch.float64) for t in self.tensors]
+        ).tolist()
+        return HostState(scale, int(tracker), int(budget), self.counters.stats())
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The loss scale, a 0-dim float32 tensor (the same object for the state's lifetime)."""
+        return self.tensors.scale
+
+    @property
+    def growth_tracker(self) -> torch.Tensor:
+        """Clean steps in a row, a 0-dim int32 tensor."""
+        return self.tensors.growth_tracker
+
+    @property
+    def hysteresis_left(self) -> torch.Tensor:
+        """Overflows still absorbed before the next backoff, a 0-dim int32 tensor."""
+        return self.tensors.hysteresis_left
+
+    @property
+    def device(self) -> torch.device:
+        """The device the state lives on."""
+        return self.tensors.scale.device
+
+    def advance(self, policy: Policy, found_inf: torch.Tensor) -> torch.Tensor:
+        """One iteration ended with ``found_inf``: move the state by ``policy``, count it.
+
+        Returns a copy of the scale the iteration started from. No host sync.
+        """
+        old = self.scale.clone()
+        policy.update_(self.tensors, found_inf)
+        self.counters.record(found_inf, old)
+        return old
+
+    def set_scale(self, value: float, found_inf: torch.Tensor | None) -> torch.Tensor:
+        """``update(new_scale)``: write ``value`` into the scale; count the iteration when
+        ``found_inf`` is given. Returns a copy of the old scale."""
+        old = self.scale.clone()
+        self.scale.fill_(value)
+        if found_inf is not None:
+            self.counters.record(found_inf, old)
+        return old
+
+    def load(self, host: HostState) -> None:
+        """Overwrite every value with ``host``'s (a loaded checkpoint), keeping the tensors."""
+        self.scale.fill_(host.scale)
+        self.growth_tracker.fill_(host.growth_tracker)
+        self.hysteresis_left.fill_(host.hysteresis_left)
+        self.counters.reset(host.stats)
