@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from ampscaler import GradScaler
-from ampscaler.probe import GradientProbe
+from ampscaler import GradientProbe, GradScaler
 
 
 def make_model(width: int, depth: int) -> torch.nn.Sequential:
@@ -87,14 +86,14 @@ def isolated_probe_ms(arm: Arm, batch: tuple[torch.Tensor, torch.Tensor], repeat
     with torch.autocast("cpu", dtype=torch.float16):
         loss = torch.nn.functional.mse_loss(model(batch[0]).float(), batch[1])
     (loss * 1024.0).backward()
-    probe, scale = GradientProbe(), torch.tensor(1024.0)
+    probe, scale = GradientProbe(every=1), torch.tensor(1024.0)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         probe.measure(optimizer, scale)
-        pending = probe.take()
+        pending = probe.end_iteration()
         assert pending is not None
-        pending.finish(torch.stack([t.double() for t in pending.tensors]).tolist())
+        pending.read(scale=1024.0)
         times.append(time.perf_counter() - start)
     optimizer.zero_grad(set_to_none=True)
     return statistics.median(times) * 1e3
