@@ -27,7 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidConfigError, InvalidStateDictError
+import torch
+
+from .errors import InvalidConfigError, InvalidStateDictError, ScalerUsageError
 from .policy import Policy, ScalePolicy, StaticPolicy, float32_value
 from .state import HostState, LiveState, ScalerStats
 
@@ -162,12 +164,15 @@ def from_state_dict(
 
 
 class CheckpointMethods:
-    """Mixin: the scaler's ``state_dict`` and ``load_state_dict``."""
+    """Mixin: the scaler's ``state_dict``, ``load_state_dict`` and pickling (copies hold the
+    state as Python values; the device state is made again at the next ``scale()``)."""
 
     _enabled: bool
     _policy: Policy
     _max_consecutive_skips: int | None
     _state: LiveState | HostState
+    _per_optimizer: dict[int, Any]
+    _last_found_inf: torch.Tensor | bool | None
     _saw: Callable[[float], None]  # tells the fused route the scale's value
     _set_policy: Callable[[Policy], None]
 
@@ -220,3 +225,21 @@ class CheckpointMethods:
             self._saw(float32_value(loaded.state.scale))
         else:
             self._state = loaded.state
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer:
+                raise ScalerUsageError(
+                    "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                    "or at the end after scaler.update()."
+                )
+            state["_state"] = self._host_state()
+            state["_route"] = None
+            found = self._last_found_inf
+            skipped = found.item() if isinstance(found, torch.Tensor) else found
+            state["_last_found_inf"] = bool(skipped)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

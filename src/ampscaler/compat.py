@@ -1,4 +1,4 @@
-"""torch.amp.GradScaler's private names, for code that reaches for them.
+"""torch.amp.GradScaler compatibility: its private names, argument semantics and accessors.
 
 Libraries and tests written against torch's scaler read a few of its private attributes. They
 are given the values and effects torch gives them here, apart from the front class, so the
@@ -12,27 +12,38 @@ design of :class:`~ampscaler.GradScaler` stays readable. Each name, and who uses
 ``_get_growth_tracker()``   the growth tracker as an int (a host sync; torch's tests)
 ==========================  ====================================================================
 
-Torch's public getters and setters of the dynamic rule (``get_growth_factor()``, ...) map onto
-the scaler's :class:`~ampscaler.ScalePolicy` here too, and optimizers that still use torch's
-deprecated ``grad_scaler=`` step protocol are recognized (and refused, see docs/migration.md).
+Torch's argument semantics live here too: which ``device`` values mean what (and that
+``"cuda"`` without CUDA warns and disables the scaler), and the nested structures ``scale()``
+accepts. So do torch's getters and setters of the dynamic rule (``get_growth_factor()``, ...),
+mapped onto the scaler's :class:`~ampscaler.ScalePolicy`, and the recognition of optimizers
+that still use torch's deprecated ``grad_scaler=`` step protocol (refused, see
+docs/migration.md).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .errors import ScalerUsageError
+from .errors import InvalidConfigError, ScalerUsageError
 from .grads.check import FusedRoute
-from .policy import Policy, ScalePolicy
+from .policy import Policy, ScalePolicy, float32_value
 from .state import HostState, LiveState
 
-__all__ = ["TorchPolicyMethods", "TorchPrivateNames", "refuse_legacy_protocol"]
+__all__ = [
+    "TorchPolicyMethods",
+    "TorchPrivateNames",
+    "device_and_enabled",
+    "new_scale_value",
+    "refuse_legacy_protocol",
+    "scale_nested",
+]
 
 
 class TorchPrivateNames:
@@ -132,3 +143,87 @@ def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
         return "grad_scaler" in inspect.signature(step).parameters
     except (TypeError, ValueError):  # no introspectable signature
         return False
+
+
+def _device_type(device: object) -> str | None:
+    if device is None or isinstance(device, torch.device):
+        return None if device is None else device.type
+    if not isinstance(device, str):
+        raise InvalidConfigError(
+            f"device must be a device type string such as 'cpu' or 'cuda', a torch.device, or "
+            f"None, got {device!r}."
+        )
+    try:
+        return torch.device(device).type
+    except RuntimeError as error:
+        raise InvalidConfigError(
+            f"device {device!r} is not a torch device type; use 'cpu', 'cuda', 'mps', 'xpu', ... "
+            "or None for the device of the first scaled tensor."
+        ) from error
+
+
+def device_and_enabled(device: object, enabled: object) -> tuple[str | None, bool]:
+    """The device type (``None``: the first scaled tensor's) and whether the scaler is on.
+
+    Like torch, ``"cuda"`` on a machine without CUDA warns and disables the scaler.
+
+    Raises:
+        InvalidConfigError: ``device`` is not a device, or ``enabled`` not a bool.
+    """
+    if not isinstance(enabled, bool):
+        raise InvalidConfigError(f"enabled must be True or False, got {enabled!r}.")
+    device_type = _device_type(device)
+    if enabled and device_type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(
+            "ampscaler.GradScaler is enabled for 'cuda', but CUDA is not available. Disabling "
+            "(as torch.amp.GradScaler does); pass device='cpu' or None to scale on the CPU.",
+            stacklevel=3,
+        )
+        return device_type, False
+    return device_type, enabled
+
+
+def scale_nested(outputs: object, scale_on: Callable[[torch.device], torch.Tensor]) -> Any:
+    """Every tensor in nested lists/tuples/iterables multiplied by ``scale_on(its device)``.
+
+    Lists and tuples come back as the same type; other iterables as a lazy iterator (as in
+    torch). The scale is fetched once per device.
+
+    Raises:
+        ValueError: a leaf that is not a tensor.
+    """
+    per_device: dict[torch.device, torch.Tensor] = {}
+
+    def scaled(value: object) -> Any:
+        if isinstance(value, torch.Tensor):
+            scale = per_device.get(value.device)
+            if scale is None:
+                scale = per_device[value.device] = scale_on(value.device)
+            return value * scale
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise ValueError(
+                "outputs must be a Tensor or an iterable of Tensors, found a "
+                f"{type(value).__name__}; pass the loss tensor(s) to scale()."
+            )
+        items = (scaled(item) for item in value)
+        return type(value)(items) if isinstance(value, (list, tuple)) else items
+
+    return scaled(outputs)
+
+
+def new_scale_value(new_scale: float | torch.Tensor, policy: Policy) -> float:
+    """``update(new_scale)``'s argument, validated for ``policy``, as the float32 value the scale
+    will hold. Like torch, a one-element tensor is accepted (and read: a host sync).
+
+    Raises:
+        InvalidConfigError: not one element, requires grad, or out of the policy's range.
+    """
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise InvalidConfigError(
+                "new_scale should be a float or a 1-element tensor with requires_grad=False, "
+                f"got a tensor of shape {list(new_scale.shape)} with "
+                f"requires_grad={new_scale.requires_grad}."
+            )
+        new_scale = float(new_scale.item())
+    return float32_value(policy.check_scale("new_scale", new_scale))

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from .errors import InvalidConfigError
-from .grads.check import combine_flags
 
 __all__ = ["RankAgreement", "SettingValue"]
 
@@ -165,19 +164,20 @@ class RankAgreement:
 
     def agree(
         self,
-        flags: Mapping[torch.device, torch.Tensor],
+        found_inf: torch.Tensor | None,
         device: torch.device,
         settings: Callable[[], Mapping[str, SettingValue]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start agreeing on one optimizer's inf flags (per device) from the check.
+        """Start agreeing on one optimizer's inf flag from the check (``None``: this rank
+        held no gradients, and takes part with a zero flag).
 
-        Returns ``(local, agreed)``: this rank's combined flag on ``device`` (zero when it
-        held no gradients), and the tensor that holds the group's verdict once :meth:`settle`
-        has returned. The first call compares the ranks' ``settings()`` (a host sync, once).
+        Returns ``(local, agreed)``: this rank's flag on ``device``, and the tensor that holds
+        the group's verdict once :meth:`settle` has returned. The first call compares the
+        ranks' ``settings()`` (a host sync, once).
         """
         if not self.checked:
             self.check_settings(settings())
-        local = combine_flags(flags.values(), device)
+        local = found_inf
         if local is None:
             local = torch.zeros((), dtype=torch.float32, device=device)
         return local, self.launch(local)
@@ -203,6 +203,18 @@ class RankAgreement:
         for work in self._pending:
             work.wait()
         self._pending.clear()
+
+    def decide(
+        self, local_flag: torch.Tensor | None, agreed: torch.Tensor
+    ) -> tuple[bool, tuple[int, ...]]:
+        """Wait for the group's verdict and read it (a host sync): whether every rank skips,
+        and then the ranks whose own ``local_flag`` was set (:meth:`ranks_with_overflow`, a
+        collective every rank of the group makes, as all of them skip together)."""
+        self.settle()
+        if not bool(agreed.item()):
+            return False, ()
+        assert local_flag is not None  # set with the agreed flag
+        return True, self.ranks_with_overflow(local_flag)
 
     def ranks_with_overflow(self, local_flag: torch.Tensor) -> tuple[int, ...]:
         """The global ranks whose ``local_flag`` was set (an all_gather and a host sync).

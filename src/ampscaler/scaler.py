@@ -19,18 +19,24 @@ One step, as data, and who does each part (see docs/design.md)::
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
 
 from .checkpoint import CheckpointMethods, check_skip_limit, policy_settings
-from .compat import TorchPolicyMethods, TorchPrivateNames, refuse_legacy_protocol
+from .compat import (
+    TorchPolicyMethods,
+    TorchPrivateNames,
+    device_and_enabled,
+    new_scale_value,
+    refuse_legacy_protocol,
+    scale_nested,
+)
 from .distributed import RankAgreement, SettingValue
 from .errors import InvalidConfigError, PersistentOverflowError, ScalerUsageError
-from .grads.check import FusedRoute, check_and_unscale_, combine_flags
+from .grads.check import FusedRoute, check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .master import MasterWeightOptimizer
@@ -40,6 +46,7 @@ from .policy import Policy, float32_value, policy_from_arguments
 from .state import HostState, LiveState
 
 __all__ = ["GradScaler", "OptState"]
+
 
 class OptState(enum.Enum):
     """Where an optimizer is within the current iteration."""
@@ -54,30 +61,15 @@ class _OptimizerRecord:
     # Held so that the id() this record is keyed by cannot be reused within the iteration.
     optimizer: torch.optim.Optimizer
     stage: OptState = OptState.READY
-    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    # The checked flag on the scale's device (agreed across ranks with a process group);
+    # None before the check, or when the optimizer held no gradient.
+    found_inf: torch.Tensor | None = None
     local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     """``1/scale`` as torch's scaler forms it: in float64, rounded once to float32."""
     return scale.double().reciprocal().float()
-
-
-def _device_type(device: str | torch.device | None) -> str | None:
-    if device is None or isinstance(device, torch.device):
-        return None if device is None else device.type
-    if not isinstance(device, str):
-        raise InvalidConfigError(
-            f"device must be a device type string such as 'cpu' or 'cuda', a torch.device, or "
-            f"None, got {device!r}."
-        )
-    try:
-        return torch.device(device).type
-    except RuntimeError as error:
-        raise InvalidConfigError(
-            f"device {device!r} is not a torch device type; use 'cpu', 'cuda', 'mps', 'xpu', ... "
-            "or None for the device of the first scaled tensor."
-        ) from error
 
 
 class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, CheckpointMethods):
@@ -124,33 +116,19 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             rule, plus hysteresis and bounds) or :class:`~ampscaler.StaticPolicy`. The
             arguments ``growth_factor`` to ``growth_interval`` and ``hysteresis`` to
             ``dynamic`` are shorthands for it; pass one or the other.
-        hysteresis: overflows absorbed before the scale backs off; refilled when it grows.
-            Every overflowing step is skipped regardless. ``1`` is torch's rule.
-        min_scale: the scale never backs off below this.
-        max_scale: the scale never grows above this.
-        dynamic: ``False`` is ``policy=StaticPolicy()``: the scale stays at ``init_scale``;
-            non-finite steps are still skipped.
+        hysteresis, min_scale, max_scale: shorthands for the same fields of
+            :class:`~ampscaler.ScalePolicy` (``1``, ``None``, ``None``: torch's rule).
+        dynamic: ``False`` is ``policy=StaticPolicy()``.
         max_consecutive_skips: raise :class:`~ampscaler.PersistentOverflowError` from
             :meth:`update` once this many iterations in a row were skipped, instead of skipping
             forever. Setting it makes :meth:`update` read one counter from the device (a sync).
-        history_size: shorthand for ``add_sink(StepHistory(history_size))``: keep the last
-            step records in :attr:`history` (0: none). Makes :meth:`update` sync once per
-            iteration, as any sink does.
-        probe_every: shorthand for ``attach(GradientProbe(every=probe_every))``: measure
-            gradient underflow and headroom every ``probe_every``-th iteration.
-        trace_nonfinite: shorthand for ``attach(NonFiniteTracer())``: name, in overflow
-            reports, the first module whose backward produced inf/NaN (costs work on every
-            backward; see docs/diagnostics.md).
-        process_group: a ``torch.distributed`` process group whose ranks must agree on overflow:
-            each optimizer's inf/NaN flag is max-reduced over it before the step decision, so
-            all its ranks step or skip together and keep identical scales. Needed when ranks
-            hold different gradients (FSDP, ZeRO, tensor or pipeline parallelism); not with
-            DDP, whose gradients are already all-reduced. Construct the scaler after
-            ``init_process_group``, with the same arguments on every rank, and call its methods
-            in the same order on every rank. Costs one asynchronous all_reduce per optimizer
-            and iteration, plus host syncs at the first step (the ranks' settings are compared)
-            and on skipped steps (the ranks that overflowed are gathered for the report). See
-            ``docs/distributed.md``.
+        history_size: shorthand for ``add_sink(StepHistory(history_size))`` (0: none).
+        probe_every: shorthand for ``attach(GradientProbe(every=probe_every))``.
+        trace_nonfinite: shorthand for ``attach(NonFiniteTracer())``.
+        process_group: a ``torch.distributed`` group whose ranks must agree on overflow (FSDP,
+            ZeRO, tensor or pipeline parallelism; not needed with DDP): each optimizer's flag is
+            max-reduced over it before the step decision. One asynchronous all_reduce per
+            optimizer and iteration; see :mod:`ampscaler.distributed` and docs/distributed.md.
         flat_grads: move gradients that stay the same tensors from step to step into one flat
             buffer per device and dtype, so the check runs as one kernel (see
             :mod:`ampscaler.grads.flat`). Off by default: it relocates the gradients' memory.
@@ -192,19 +170,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         self._policy = policy_from_arguments(policy, dynamic, rule)
         scale = self._policy.check_scale("init_scale", init_scale)
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
-        if not isinstance(enabled, bool):
-            raise InvalidConfigError(f"enabled must be True or False, got {enabled!r}.")
         if not isinstance(flat_grads, bool):
             raise InvalidConfigError(f"flat_grads must be True or False, got {flat_grads!r}.")
-        self._device = _device_type(device)
-        self._enabled = enabled
-        if enabled and self._device == "cuda" and not torch.cuda.is_available():
-            warnings.warn(
-                "ampscaler.GradScaler is enabled for 'cuda', but CUDA is not available. Disabling "
-                "(as torch.amp.GradScaler does); pass device='cpu' or None to scale on the CPU.",
-                stacklevel=2,
-            )
-            self._enabled = False
+        self._device, self._enabled = device_and_enabled(device, enabled)
         # Python values until the first scale() puts the state on a device, then LiveState.
         self._state: LiveState | HostState = HostState(scale, 0, self._policy.hysteresis)
         self._route: FusedRoute | None = None  # created with the live state
@@ -286,30 +254,12 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             return outputs
         if isinstance(outputs, torch.Tensor):
             return outputs * self._scale_on(outputs.device)
-        scaled: Iterable[torch.Tensor] = self._scale_nested(outputs, {})
+        scaled: Iterable[torch.Tensor] = scale_nested(outputs, self._scale_on)
         return scaled
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         scale = self._live(device).scale
         return scale if scale.device == device else scale.to(device, non_blocking=True)
-
-    def _scale_nested(
-        self, value: object, per_device: dict[torch.device, torch.Tensor]
-    ) -> Any:
-        if isinstance(value, torch.Tensor):
-            scale = per_device.get(value.device)
-            if scale is None:
-                scale = per_device[value.device] = self._scale_on(value.device)
-            return value * scale
-        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-            raise ValueError(
-                "outputs must be a Tensor or an iterable of Tensors, found a "
-                f"{type(value).__name__}; pass the loss tensor(s) to scale()."
-            )
-        scaled = (self._scale_nested(item, per_device) for item in value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(scaled)
-        return scaled
 
     def get_scale(self) -> float:
         """The current scale as a Python float; 1.0 when disabled. A host sync.
@@ -390,12 +340,12 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
     ) -> None:
         """Multiply the gradients in ``groups`` by ``multiplier``, flag inf/NaN in ``record``,
         and start agreeing on the flag across ranks. No host sync."""
-        found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
-        flags = check_and_unscale_(groups, multiplier, found_inf)
+        found_inf = check_and_unscale_(groups, multiplier, state.device)
         if self._agreement is not None:
-            local, agreed = self._agreement.agree(flags, state.device, self._settings)
-            record.local_found_inf, flags = local, {state.device: agreed}
-        record.found_inf_per_device = flags
+            record.local_found_inf, found_inf = self._agreement.agree(
+                found_inf, state.device, self._settings
+            )
+        record.found_inf = found_inf
 
     def _settings(self) -> dict[str, SettingValue]:
         """What ranks compare before they agree: the configuration and the live state."""
@@ -404,12 +354,6 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             **policy_settings(self._policy, self._max_consecutive_skips),
             **state.tensors._asdict(),
         }
-
-    def _found_inf(self, record: _OptimizerRecord, state: LiveState) -> torch.Tensor | None:
-        """``record``'s (agreed) inf flag on the scale's device; ``None`` for no gradients."""
-        if self._agreement is not None:
-            self._agreement.settle()  # the decision needs the agreed flag
-        return combine_flags(record.found_inf_per_device.values(), state.device)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale ``optimizer``'s gradients if needed, then step it unless they hold inf/NaN.
@@ -420,14 +364,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         are handed to the optimizer and nothing waits for the device; for all others, deciding
         whether to step reads one flag from the device (a host sync), as in torch.
 
-        With torch's own fused optimizers (Adam, AdamW, SGD, Adagrad), float32/float64
-        gradients and a scale that is a power of two (torch's defaults keep it one), the check
-        pass also unscales the gradients and the optimizer gets no ``grad_scale``: its kernel
-        then reads the gradients without writing them back, one pass less than torch's route.
-        Parameters and optimizer state come out bit for bit the same (see
-        :mod:`ampscaler.grads.check`); the one visible difference is that after a *skipped*
-        step the gradients are unscaled, as on the plain route, where torch's fused route
-        leaves them scaled.
+        With torch's own fused optimizers and a power-of-two scale the check pass also unscales,
+        sparing the kernel a write pass; results are bit for bit torch's, but after a *skipped*
+        fused step the gradients are left unscaled (see :mod:`ampscaler.grads.check`).
 
         Raises:
             RuntimeError: a ``closure`` (closures re-evaluate an unscaled loss, which the
@@ -452,22 +391,22 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             return self._fused_step(optimizer, record, state, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
-        found_inf = self._found_inf(record, state)
+        found_inf = record.found_inf
+        ranks: tuple[int, ...] = ()
         if found_inf is None:
             raise ScalerUsageError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
-        skipped = self._last_found_inf = bool(found_inf.item())
+        if self._agreement is not None:  # the group's verdict, and who overflowed
+            skipped, ranks = self._agreement.decide(record.local_found_inf, found_inf)
+        else:
+            skipped = bool(found_inf.item())
+        self._last_found_inf = skipped
         record.stage = OptState.STEPPED
-        self._monitor.note_step(optimizer, skipped, state.scale, state.counters)
-        if not skipped:
-            return optimizer.step(*args, **kwargs)
-        if self._agreement is not None and record.local_found_inf is not None:
-            # Every rank skipped together; name the ranks that overflowed (a collective).
-            self._monitor.note_ranks(self._agreement.ranks_with_overflow(record.local_found_inf))
-        return None
+        self._monitor.note_step(optimizer, skipped, state.scale, state.counters, ranks)
+        return None if skipped else optimizer.step(*args, **kwargs)
 
     def _fused_step(
         self,
@@ -484,7 +423,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             groups = self._collect(optimizer, state, allow_fp16=True)
             multiplier, grad_scale = self._route.plan(optimizer, groups)
             self._check(groups, record, state, multiplier)
-        found_inf = self._found_inf(record, state)
+        if self._agreement is not None:
+            self._agreement.settle()  # the kernel must see the agreed flag
+        found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -510,10 +451,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         set to it; the value is copied, so later changes to the tensor do not affect the scaler.
         Either way the scale tensor is updated in place.
 
-        No host sync, except: validating a tensor ``new_scale`` reads it,
-        ``max_consecutive_skips`` reads the skip counter, and while step records are consumed
-        (history, :meth:`add_sink`, :meth:`on`) the iteration's outcome is read in one sync
-        (plus localization on a skipped step).
+        No host sync, except: a tensor ``new_scale`` is read, ``max_consecutive_skips`` reads
+        the skip counter, and consumers of step records (sinks, history, :meth:`on`) read the
+        iteration's outcome in one sync.
 
         Raises:
             AssertionError / RuntimeError: no ``step()`` (or ``unscale_``) was recorded in this
@@ -527,12 +467,13 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         state = self._require_state("update")
         if self._agreement is not None:
             self._agreement.settle()
-        found_inf = combine_flags(
-            [f for r in self._per_optimizer.values() for f in r.found_inf_per_device.values()],
-            state.device,
-        )
+        found_inf = None  # the sum of the optimizers' flags (> 0 iff any overflowed)
+        for record in self._per_optimizer.values():
+            if record.found_inf is not None:
+                flag = record.found_inf
+                found_inf = flag if found_inf is None else found_inf + flag
         if new_scale is not None:
-            value = self._new_scale_value(new_scale)
+            value = new_scale_value(new_scale, self._policy)
             old_scale = state.set_scale(value, found_inf)
             self._saw(value)
         elif found_inf is None:
@@ -549,18 +490,6 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             self._monitor.after_update(found_inf, old_scale, state.scale, state.counters)
             if self._max_consecutive_skips is not None:
                 self._check_persistent_overflow(state, self._max_consecutive_skips)
-
-    def _new_scale_value(self, new_scale: float | torch.Tensor) -> float:
-        """The validated ``new_scale`` as the float32 value the scale will hold."""
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise InvalidConfigError(
-                    "new_scale should be a float or a 1-element tensor with requires_grad=False, "
-                    f"got a tensor of shape {list(new_scale.shape)} with "
-                    f"requires_grad={new_scale.requires_grad}."
-                )
-            new_scale = float(new_scale.item())
-        return float32_value(self._policy.check_scale("new_scale", new_scale))
 
     def _check_persistent_overflow(self, state: LiveState, limit: int) -> None:
         in_a_row = int(state.counters.consecutive_skips.item())
@@ -579,22 +508,6 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
     def policy(self) -> Policy:
         """The scale policy in force (read-only; use the setters or a new scaler to change it)."""
         return self._policy
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if self._enabled:
-            if self._per_optimizer:
-                raise ScalerUsageError(
-                    "A GradScaler instance may only be pickled at the beginning of an iteration, "
-                    "or at the end after scaler.update()."
-                )
-            state["_state"] = self._host_state()
-            state["_route"] = None
-            state["_last_found_inf"] = self.last_step_skipped
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         if not self._enabled:

@@ -157,6 +157,14 @@ class HostState:
 class LiveState:
     """Scale, growth tracker, hysteresis budget and counters on ``device``, updated in place.
 
+    Attributes:
+        scale: the loss scale, a 0-dim float32 tensor.
+        growth_tracker: clean steps in a row, a 0-dim int32 tensor.
+        hysteresis_left: overflows still absorbed before the next backoff, 0-dim int32.
+        tensors: the three as a :class:`~ampscaler.policy.ScaleState`.
+        counters: the step counters.
+        device: where the state lives.
+
     Args:
         policy: the policy whose initial budget fills ``hysteresis_left`` by default.
         device: where the state lives (the device of the first scaled tensor).
@@ -176,7 +184,10 @@ class LiveState:
         self.tensors: ScaleState = initial_state(
             policy, scale, device, growth_tracker, hysteresis_left
         )
-        self.counters = StepCounters(self.tensors.scale, stats)
+        # The same tensor objects for the state's lifetime, by name.
+        self.scale, self.growth_tracker, self.hysteresis_left = self.tensors
+        self.device = self.scale.device
+        self.counters = StepCounters(self.scale, stats)
 
     @classmethod
     def from_host(cls, policy: Policy, device: torch.device, host: HostState) -> LiveState:
@@ -196,26 +207,6 @@ class LiveState:
             [t.to(torch.float64) for t in self.tensors]
         ).tolist()
         return HostState(scale, int(tracker), int(budget), self.counters.stats())
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The loss scale, a 0-dim float32 tensor (the same object for the state's lifetime)."""
-        return self.tensors.scale
-
-    @property
-    def growth_tracker(self) -> torch.Tensor:
-        """Clean steps in a row, a 0-dim int32 tensor."""
-        return self.tensors.growth_tracker
-
-    @property
-    def hysteresis_left(self) -> torch.Tensor:
-        """Overflows still absorbed before the next backoff, a 0-dim int32 tensor."""
-        return self.tensors.hysteresis_left
-
-    @property
-    def device(self) -> torch.device:
-        """The device the state lives on."""
-        return self.tensors.scale.device
 
     def advance(self, policy: Policy, found_inf: torch.Tensor) -> torch.Tensor:
         """One iteration ended with ``found_inf``: move the state by ``policy``, count it.

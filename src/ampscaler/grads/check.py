@@ -17,15 +17,14 @@ Whether the scale is such a power of two is known on the host without reading it
 
 Example:
     >>> import torch
-    >>> grads = {torch.device("cpu"): {torch.float32: [torch.tensor([2.0, float("inf")])]}}
-    >>> flags = check_and_unscale_(grads, torch.tensor(0.5), torch.zeros(()))
-    >>> grads[torch.device("cpu")][torch.float32][0], flags[torch.device("cpu")]
+    >>> cpu = torch.device("cpu")
+    >>> grads = {cpu: {torch.float32: [torch.tensor([2.0, float("inf")])]}}
+    >>> found_inf = check_and_unscale_(grads, torch.tensor(0.5), cpu)
+    >>> grads[cpu][torch.float32][0], found_inf
     (tensor([1., inf]), tensor(1.))
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 
@@ -34,7 +33,7 @@ from ..policy import Policy
 from .collect import GradGroups
 from .pow2 import Pow2Watch
 
-__all__ = ["FusedRoute", "check_and_unscale_", "combine_flags"]
+__all__ = ["FusedRoute", "check_and_unscale_"]
 
 # torch's fused optimizers, whose kernels divide each gradient by ``grad_scale`` (when given)
 # in float32/float64 arithmetic before using it, and touch ``grad_scale`` nowhere else.
@@ -47,38 +46,25 @@ _WIDE_FLOATS = frozenset((torch.float32, torch.float64))
 
 
 def check_and_unscale_(
-    groups: GradGroups, inv_scale: torch.Tensor, found_inf: torch.Tensor
-) -> dict[torch.device, torch.Tensor]:
+    groups: GradGroups, inv_scale: torch.Tensor, device: torch.device
+) -> torch.Tensor | None:
     """Multiply every gradient in ``groups`` by ``inv_scale`` in place and flag inf/NaN.
 
-    Returns one float32 0-dim flag per device that held gradients: ``1.0`` where a non-finite
-    value was seen, else ``0.0``. ``found_inf`` (all zeros) and ``inv_scale`` live on the
-    scale's device and are copied to other devices once each. No host sync.
+    Returns a float32 0-dim flag on ``device`` (the scale's), ``> 0`` iff a non-finite value
+    was seen, or ``None`` when ``groups`` holds no gradient. Gradients on other devices are
+    checked there, with ``inv_scale`` copied over once, and their flags summed on ``device``.
+    No host sync.
     """
-    flags: dict[torch.device, torch.Tensor] = {}
+    found_inf: torch.Tensor | None = None
     with torch.no_grad():
-        for device, per_dtype in groups.items():
-            if device == found_inf.device:
-                flag, inv = found_inf, inv_scale
-            else:
-                flag = found_inf.to(device=device, non_blocking=True, copy=True)
-                inv = inv_scale.to(device=device, non_blocking=True, copy=True)
-            flags[device] = flag
+        for grads_device, per_dtype in groups.items():
+            flag = torch.zeros((), dtype=torch.float32, device=grads_device)
+            inv = inv_scale.to(grads_device, non_blocking=True)
             for grads in per_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
-    return flags
-
-
-def combine_flags(
-    flags: Iterable[torch.Tensor], device: torch.device
-) -> torch.Tensor | None:
-    """The sum of inf flags on ``device`` (> 0 iff any was set); ``None`` for none. No sync."""
-    combined: torch.Tensor | None = None
-    for flag in flags:
-        if flag.device != device:
             flag = flag.to(device, non_blocking=True)
-        combined = flag if combined is None else combined + flag
-    return combined
+            found_inf = flag if found_inf is None else found_inf + flag
+    return found_inf
 
 
 class FusedRoute:

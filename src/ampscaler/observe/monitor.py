@@ -16,10 +16,10 @@ With no sink, no callback and no probe or tracer, ``update()`` costs a few attri
 and never waits for the device.
 
 The scaler's calls, in the order of one iteration: :meth:`~Monitor.before_check` and
-:meth:`~Monitor.note_step` per optimizer (:meth:`~Monitor.note_ranks` after a skip agreed
-across ranks), then :meth:`~Monitor.after_update`, once the counters have counted the
-iteration. The scale tensor they are given is the live one, which ``update()`` changes in place;
-nothing here reads it after the update except through the ``old_scale`` copy.
+:meth:`~Monitor.note_step` per optimizer, then :meth:`~Monitor.after_update`, once the counters
+have counted the iteration. The scale tensor they are given is the live one, which
+``update()`` changes in place; nothing here reads it after the update except through the
+``old_scale`` copy.
 """
 
 from __future__ import annotations
@@ -190,12 +190,14 @@ class Monitor:
         found_inf: bool | torch.Tensor,
         scale: torch.Tensor,
         counters: StepCounters | None,
+        ranks: tuple[int, ...] = (),
     ) -> None:
         """Record one ``step()``: a known outcome (plain path) or a device flag (fused path).
 
         A known skip is localized now, while the gradients are certainly there (host syncs,
-        on skipped steps only). A flag is read when the overflow is asked for, up to the end of
-        the next iteration: it must not change before then.
+        on skipped steps only); ``ranks`` are the ranks whose gradients overflowed, when the
+        ranks of a process group skipped together. A flag is read when the overflow is asked
+        for, up to the end of the next iteration: it must not change before then.
         """
         current = self._current
         current.started = True
@@ -205,13 +207,8 @@ class Monitor:
         elif found_inf:
             step = 0 if counters is None else int(counters.steps.item())
             events = None if self._tracer is None else self._tracer.events
-            current.reports.append(self._localize([optimizer], step, float(scale.item()), events))
-
-    def note_ranks(self, ranks: tuple[int, ...]) -> None:
-        """Add the ranks that overflowed to the report of the step just skipped."""
-        reports = self._current.reports
-        if reports:
-            reports[-1] = dataclasses.replace(reports[-1], ranks=ranks)
+            report = self._localize([optimizer], step, float(scale.item()), events)
+            current.reports.append(dataclasses.replace(report, ranks=ranks))
 
     def after_update(
         self,

@@ -1,0 +1,91 @@
+"""The shape of one step, as a reader follows it: the front hands each arrow to one module.
+
+Following an optimizer through ``scaler.step()`` (and ``update()``), every call the front
+(``scaler.py``) makes into another ampscaler module is a visit to that module. The design asks
+that no module be visited more than twice per call: the flow reads loss -> collect -> check ->
+agree -> decide, not back and forth. A profiler records the calls.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ampscaler
+
+PACKAGE = Path(ampscaler.__file__).resolve().parent
+FRONT = PACKAGE / "scaler.py"
+
+
+def _module(frame: FrameType | None) -> Path | None:
+    if frame is None:
+        return None
+    path = Path(frame.f_code.co_filename).resolve()
+    return path if PACKAGE in path.parents else None
+
+
+def visits(call: Callable[[], object]) -> Counter[str]:
+    """How often ``call()`` enters each ampscaler module from the front (scaler.py)."""
+    seen: Counter[str] = Counter()
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        callee, caller = _module(frame), _module(frame.f_back)
+        if callee is not None and callee != FRONT and caller == FRONT:
+            seen[str(callee.relative_to(PACKAGE))] += 1
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[dist.ProcessGroup]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _steps(fused: bool, group: dist.ProcessGroup | None) -> list[Counter[str]]:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+    scaler = ampscaler.GradScaler("cpu", process_group=group)
+    counted = []
+    for poison in (False, True, False):
+        scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+        if poison:
+            model.bias.grad.fill_(float("inf"))
+        counted.append(visits(lambda: scaler.step(opt)))
+        counted.append(visits(scaler.update))
+        opt.zero_grad()
+    return counted
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("agree", [False, True], ids=["one-rank", "process-group"])
+def test_step_and_update_visit_each_module_at_most_twice(
+    fused: bool, agree: bool, request: pytest.FixtureRequest
+) -> None:
+    group = request.getfixturevalue("world_of_one") if agree else None
+    counted = _steps(fused, group)
+    step = counted[0]
+    # The arrows of the flow, each in its own module.
+    assert step["grads/collect.py"] == 1
+    assert step["grads/check.py"] == (2 if fused else 1)  # the fused route, then the check
+    assert step["distributed.py"] == (2 if agree else 0)  # start agreeing, then settle
+    for calls in counted:
+        assert max(calls.values(), default=0) <= 2, calls
