@@ -2,9 +2,12 @@
 
 Overhead is what the scaler adds to a training step: the time of ``scale(loss)``,
 ``step(optimizer)`` and ``update()`` minus a plain ``optimizer.step()`` on the same gradients.
-Every round times the plain step, torch's scaler and ampscaler's once each, in a shuffled
-order, after restoring the same gradients (untimed); the table shows medians over rounds of
-the per-round differences, so slow drifts of a shared machine cancel.
+Every round times the plain step, torch's scaler, ampscaler's with its defaults and (synthetic
+cases) ampscaler's with ``flat_grads=True`` once each, in a shuffled order, after restoring the
+same gradients (untimed); the table shows medians over rounds of the per-round differences, so
+slow drifts of a shared machine cancel. With its defaults ampscaler must never be slower than
+torch (ratio <= 1.05, the noise allowance); ``flat_grads=True`` is the opt-in that moves
+gradients into flat buffers, worth it for many small kept gradients and fused optimizers.
 
 As the physical reference it also times one read+write pass (``mul_(1.0)``) and one read-only
 pass (``sum()``) over a flat buffer as large as all the gradients together.
@@ -14,9 +17,11 @@ Cases (``--cases``, comma separated):
 - ``sgd-few-large``: SGD, 50 tensors of 200k floats.
 - ``sgd-many-small``: SGD, 2000 tensors of 5k floats.
 - ``adam-fused``: ``Adam(fused=True)``, 500 tensors of 20k floats.
-- ``transformer``: a whole training step (forward under fp16 autocast, backward, step,
-  ``zero_grad()``) of a small transformer encoder; overhead is against the same step without
-  a scaler, over five times as many rounds.
+- ``transformer``: the parameters and real fp16-autocast gradients of a small transformer
+  encoder, stepped by ``AdamW`` (torch's default foreach implementation): the scaler's calls
+  timed as in the synthetic cases. Below the table, as context, the same model's whole training
+  step (forward, backward, step, ``zero_grad()``) with each scaler against none, over five
+  times as many rounds: a difference of two ~20 ms steps, so within a few percent it is noise.
 
 With ``--fresh-grads`` the synthetic cases give every parameter a new gradient tensor before
 each timed call, as ``zero_grad(set_to_none=True)`` followed by ``backward()`` does; by
@@ -49,8 +54,10 @@ import torch
 import ampscaler
 
 LOSS_SCALE = 2.0**16
-# Ratios the issue asks for: ampscaler's overhead at most this multiple of torch's.
-TARGETS = {"sgd-few-large": 1.1, "sgd-many-small": 0.6, "adam-fused": 0.6}
+# Ratios asked for: ampscaler's overhead at most this multiple of torch's, with the defaults
+# (every case) and with flat_grads=True (where it is meant to pay off).
+DEFAULT_TARGET = 1.05
+FLAT_TARGETS = {"sgd-many-small": 0.6, "adam-fused": 0.6}
 E2E_ROUNDS = 5  # the transformer case runs this many times --rounds
 
 
@@ -77,11 +84,15 @@ class Row:
     plain: float
     rw_pass: float | None
     read_pass: float | None
-    target: float | None
+    flat_overhead: float | None = None
 
     @property
     def ratio(self) -> float:
         return self.amp_overhead / self.torch_overhead
+
+    @property
+    def flat_ratio(self) -> float | None:
+        return None if self.flat_overhead is None else self.flat_overhead / self.torch_overhead
 
 
 def synchronize(device: torch.device) -> None:
@@ -155,12 +166,24 @@ def synthetic_case(
     ]
     # Scaled gradients, as backward() leaves them: unscaled values around 1e-2.
     saved = [torch.randn(size, generator=gen).mul_(LOSS_SCALE * 1e-2).to(device) for _ in params]
+    return calls_case(name, params, saved, make_optimizer(params), args, device)
+
+
+def calls_case(
+    name: str,
+    params: list[torch.nn.Parameter],
+    saved: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> Row:
+    """The scalers' calls on ``params`` with the scaled gradients ``saved``, side by side."""
     for param, grad in zip(params, saved, strict=True):
         param.grad = grad.clone()
-    optimizer = make_optimizer(params)
     loss = torch.ones((), device=device)
     theirs = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
     ours = ampscaler.GradScaler(device.type, init_scale=LOSS_SCALE)
+    flat = ampscaler.GradScaler(device.type, init_scale=LOSS_SCALE, flat_grads=True)
 
     def prepare() -> None:
         if args.fresh_grads:
@@ -174,14 +197,15 @@ def synthetic_case(
             "plain": optimizer.step,
             "torch": lambda: scaler_step(theirs, optimizer, loss),
             "ampscaler": lambda: scaler_step(ours, optimizer, loss),
+            "flat": lambda: scaler_step(flat, optimizer, loss),
         },
         prepare,
         args,
         device,
     )
-    if ours.get_scale() != theirs.get_scale():
+    if not ours.get_scale() == flat.get_scale() == theirs.get_scale():
         raise AssertionError(f"{name}: the two scalers disagree on the scale")
-    rw_pass, read_pass = flat_passes(count * size, args, device)
+    rw_pass, read_pass = flat_passes(sum(grad.numel() for grad in saved), args, device)
     label = f"{name} (fresh grads)" if args.fresh_grads else name
     return Row(
         label,
@@ -190,7 +214,7 @@ def synthetic_case(
         timings.median("plain"),
         rw_pass,
         read_pass,
-        TARGETS[name],
+        timings.overhead("flat"),
     )
 
 
@@ -210,19 +234,40 @@ class TinyTransformer(torch.nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
-def transformer_case(args: argparse.Namespace, device: torch.device) -> Row:
-    torch.manual_seed(args.seed)
-    model = TinyTransformer().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 256, (4, 32), device=device)
-    targets = torch.randint(0, 256, (4, 32), device=device)
-    theirs = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
-    ours = ampscaler.GradScaler(device.type, init_scale=LOSS_SCALE)
+def transformer_loss(
+    model: TinyTransformer, seed: int, device: torch.device
+) -> Callable[[], torch.Tensor]:
+    """The model's loss on one fixed batch, under fp16 autocast."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (4, 32), generator=gen).to(device)
+    targets = torch.randint(0, 256, (4, 32), generator=gen).to(device)
 
     def loss_value() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.float16):
             logits = model(tokens)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return loss_value
+
+
+def transformer_case(args: argparse.Namespace, device: torch.device) -> Row:
+    torch.manual_seed(args.seed)
+    model = TinyTransformer().to(device)
+    (transformer_loss(model, args.seed, device)() * LOSS_SCALE).backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    saved = [p.grad.detach().clone() for p in params if p.grad is not None]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    return calls_case("transformer", params, saved, optimizer, args, device)
+
+
+def whole_step(args: argparse.Namespace, device: torch.device) -> tuple[float, float, float]:
+    """The transformer's whole training step: (plain ms, torch's overhead, ampscaler's)."""
+    torch.manual_seed(args.seed)
+    model = TinyTransformer().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss_value = transformer_loss(model, args.seed, device)
+    theirs = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
+    ours = ampscaler.GradScaler(device.type, init_scale=LOSS_SCALE)
 
     def plain() -> None:
         loss_value().backward()
@@ -243,15 +288,7 @@ def transformer_case(args: argparse.Namespace, device: torch.device) -> Row:
         longer,
         device,
     )
-    return Row(
-        "transformer (whole step)",
-        timings.overhead("torch"),
-        timings.overhead("ampscaler"),
-        timings.median("plain"),
-        None,
-        None,
-        None,
-    )
+    return timings.median("plain"), timings.overhead("torch"), timings.overhead("ampscaler")
 
 
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> Row:
@@ -306,20 +343,27 @@ def describe_machine(device: torch.device) -> str:
     )
 
 
+def verdict(ratio: float | None, target: float | None) -> str:
+    if ratio is None or target is None:
+        return "-"
+    return f"{ratio:.2f} (<={target:g} {'yes' if ratio <= target else 'NO'})"
+
+
 def print_table(rows: list[Row]) -> None:
     header = (
-        f"{'case':<34} {'torch ms':>9} {'ampscaler ms':>13} {'ratio':>6} {'target':>7} "
-        f"{'met':>4} {'r+w pass ms':>12} {'read ms':>8} {'plain step ms':>14}"
+        f"{'case':<26} {'torch ms':>9} {'defaults ms':>12} {'ratio (target)':>17} "
+        f"{'flat_grads ms':>14} {'ratio (target)':>17} {'r+w ms':>7} {'read ms':>8} "
+        f"{'plain ms':>9}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
-        target = "-" if row.target is None else f"<={row.target:g}"
-        met = "-" if row.target is None else ("yes" if row.ratio <= row.target else "NO")
+        flat_target = FLAT_TARGETS.get(row.case.split(" ")[0])
         print(
-            f"{row.case:<34} {ms(row.torch_overhead):>9} {ms(row.amp_overhead):>13} "
-            f"{row.ratio:>6.2f} {target:>7} {met:>4} {ms(row.rw_pass):>12} "
-            f"{ms(row.read_pass):>8} {ms(row.plain):>14}"
+            f"{row.case:<26} {ms(row.torch_overhead):>9} {ms(row.amp_overhead):>12} "
+            f"{verdict(row.ratio, DEFAULT_TARGET):>17} {ms(row.flat_overhead):>14} "
+            f"{verdict(row.flat_ratio, flat_target):>17} {ms(row.rw_pass):>7} "
+            f"{ms(row.read_pass):>8} {ms(row.plain):>9}"
         )
 
 
@@ -358,8 +402,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rounds} rounds after {args.warmup} warm-up, {args.clock} clock; overheads are "
         "medians of per-round differences against the plain step, in ms\n"
     )
-    rows = [run_case(name.strip(), args, device) for name in args.cases.split(",")]
-    print_table(rows)
+    names = [name.strip() for name in args.cases.split(",")]
+    print_table([run_case(name, args, device) for name in names])
+    if "transformer" in names:
+        plain, theirs, ours = whole_step(args, device)
+        print(
+            f"\ncontext, the transformer's whole training step ({plain * 1e3:.2f} ms without a "
+            f"scaler): torch's scaler adds {ms(theirs)} ms, ampscaler's {ms(ours)} ms"
+        )
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nload average at the end: {load}")
 
