@@ -100,18 +100,24 @@ def syncs_per_step(
     return counts
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["defaults", "flat_grads"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_fused_path_never_syncs(set_to_none: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    ours = syncs_per_step(ampscaler.GradScaler, True, set_to_none, monkeypatch)
+def test_fused_path_never_syncs(
+    set_to_none: bool, flat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ampscaler_factory = functools.partial(ampscaler.GradScaler, flat_grads=flat)
+    ours = syncs_per_step(ampscaler_factory, True, set_to_none, monkeypatch)
     assert ours == [0] * 6
     assert ours == syncs_per_step(torch.amp.GradScaler, True, set_to_none, monkeypatch)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["defaults", "flat_grads"])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_plain_path_syncs_once_per_step(
-    set_to_none: bool, monkeypatch: pytest.MonkeyPatch
+    set_to_none: bool, flat: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ours = syncs_per_step(ampscaler.GradScaler, False, set_to_none, monkeypatch, None)
+    ampscaler_factory = functools.partial(ampscaler.GradScaler, flat_grads=flat)
+    ours = syncs_per_step(ampscaler_factory, False, set_to_none, monkeypatch, None)
     assert ours == [1] * 6
     assert ours == syncs_per_step(torch.amp.GradScaler, False, set_to_none, monkeypatch, None)
 
@@ -153,7 +159,7 @@ def test_fused_path_never_syncs_on_cuda(steps: int, overflow_every: int | None) 
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     routes: list[bool] = []
     opt.register_step_pre_hook(lambda o, a, k: routes.append(o.grad_scale is None))
-    scaler = ampscaler.GradScaler("cuda", growth_interval=1)
+    scaler = ampscaler.GradScaler("cuda", growth_interval=1, flat_grads=True)
     for step in range(steps):
         loss = model(torch.ones(8, 64, device="cuda")).float().sum()
         if overflow_every and step % overflow_every:
