@@ -116,8 +116,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             rule, plus hysteresis and bounds) or :class:`~ampscaler.StaticPolicy`. The
             arguments ``growth_factor`` to ``growth_interval`` and ``hysteresis`` to
             ``dynamic`` are shorthands for it; pass one or the other.
-        hysteresis, min_scale, max_scale: shorthands for the same fields of
-            :class:`~ampscaler.ScalePolicy` (``1``, ``None``, ``None``: torch's rule).
+        hysteresis: shorthand for :class:`~ampscaler.ScalePolicy`'s (``1``: torch's rule).
+        min_scale: shorthand for :class:`~ampscaler.ScalePolicy`'s (``None``: no bound).
+        max_scale: shorthand for :class:`~ampscaler.ScalePolicy`'s (``None``: no bound).
         dynamic: ``False`` is ``policy=StaticPolicy()``.
         max_consecutive_skips: raise :class:`~ampscaler.PersistentOverflowError` from
             :meth:`update` once this many iterations in a row were skipped, instead of skipping
