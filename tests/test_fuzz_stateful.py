@@ -90,6 +90,7 @@ class ScalerMachine(RuleBasedStateMachine):
     )
     def start(self, setup: Setup, fused: bool) -> None:
         self.setup = setup
+        self.fused = fused
         self.twin_policy = _torch_compatible(setup)
         self.ref = Reference(setup.config, setup.init_scale)
         self.ours = Side(ampscaler.GradScaler("cpu", **setup.scaler_kwargs()), fused)
@@ -122,13 +123,19 @@ class ScalerMachine(RuleBasedStateMachine):
             if p.grad is not None
         )
 
-    def _assert_twins_equal(self) -> None:
+    def _assert_twins_equal(self, skipped_fused: bool = False) -> None:
+        """Parameters equal; gradients equal, except after a skipped fused step, where ours
+        may hold torch's gradients unscaled (docs/migration.md: the check pass unscaled them
+        on the power-of-two route; torch's kernel never ran), exactly so."""
+        inverse = 1.0 / self.theirs.scaler.get_scale()
         for mine, other in zip(self.ours.params(), self.theirs.params(), strict=True):
             assert torch.equal(mine, other)
             mine_grad, other_grad = mine.grad, other.grad
             assert (mine_grad is None) == (other_grad is None)
             if mine_grad is not None:
-                assert torch.equal(mine_grad.nan_to_num(), other_grad.nan_to_num())
+                same = torch.equal(mine_grad.nan_to_num(), other_grad.nan_to_num())
+                unscaled = torch.equal(mine_grad, other_grad * inverse)
+                assert same or (skipped_fused and unscaled)
 
     # ------------------------------------------------------------------ rules
 
@@ -206,7 +213,7 @@ class ScalerMachine(RuleBasedStateMachine):
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         for was_finite, param in zip(finite_before, after, strict=True):
             assert not was_finite or torch.isfinite(param).all()
-        self._assert_twins_equal()
+        self._assert_twins_equal(skipped_fused=self.flagged[index] and index == 1 and self.fused)
 
     @precondition(lambda self: UNSCALED in self.stages or STEPPED in self.stages)
     @rule(new_scale=st.one_of(st.none(), st.sampled_from([1.0, 3.5, 256.0, 2.0**40])),
