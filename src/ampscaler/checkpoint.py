@@ -181,6 +181,7 @@ class CheckpointMethods:
         state = self._state
         if isinstance(state, HostState):
             return state
+        state.settle()
         host = state.to_host()
         self._saw(host.scale)
         return host
@@ -221,6 +222,7 @@ class CheckpointMethods:
         self._set_policy(loaded.policy)
         self._max_consecutive_skips = loaded.max_consecutive_skips
         if isinstance(self._state, LiveState):
+            self._state.settle()  # an update handed over under torch.compile: done before
             self._state.load(loaded.state)
             self._saw(float32_value(loaded.state.scale))
         else:

@@ -56,24 +56,32 @@ class TorchPrivateNames:
     def _scale(self) -> torch.Tensor | None:
         return self._get_scale_async()
 
+    def _settled(self) -> LiveState | None:
+        state = self._state
+        if not isinstance(state, LiveState):
+            return None
+        state.settle()
+        return state
+
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
-        state = self._state
-        return state.growth_tracker if isinstance(state, LiveState) else None
+        state = self._settled()
+        return None if state is None else state.growth_tracker
 
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor without a sync (``None`` before the first ``scale()``)."""
-        state = self._state
-        return state.scale if isinstance(state, LiveState) else None
+        state = self._settled()
+        return None if state is None else state.scale
 
     def _get_growth_tracker(self) -> int:
         """The growth tracker as an int (0 when disabled). A host sync."""
         if not self._enabled:
             return 0
-        state = self._state
-        if isinstance(state, LiveState):
-            return int(state.growth_tracker.item())
-        return state.growth_tracker
+        state = self._settled()
+        if state is None:
+            assert isinstance(self._state, HostState)
+            return self._state.growth_tracker
+        return int(state.growth_tracker.item())
 
 
 class TorchPolicyMethods:

@@ -42,7 +42,7 @@ from .grads.flat import GradPlanner
 from .master import MasterWeightOptimizer
 from .observe.api import ObserverMethods
 from .observe.monitor import Monitor
-from .policy import Policy, float32_value, policy_from_arguments
+from .policy import Policy, policy_from_arguments
 from .state import HostState, LiveState
 
 __all__ = ["GradScaler", "OptState"]
@@ -183,28 +183,35 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         self._monitor = Monitor(enabled=self._enabled)
         self._agreement = None if process_group is None else RankAgreement(process_group)
         self._attach_shorthands(history_size, probe_every, trace_nonfinite)
+        if self._enabled and self._device == "cpu":
+            # Nothing to wait for on the CPU: made now, a compiled step sees one type of state
+            # from its first call (no recompile when it would otherwise be made).
+            self._live(torch.device("cpu"))
 
     # ------------------------------------------------------------------ state plumbing
 
     def _live(self, device: torch.device) -> LiveState:
-        """The live state, put on ``device`` by the first call."""
+        """The live state (settled), put on ``device`` by the first call."""
         state = self._state
         if isinstance(state, LiveState):
+            state.settle()
             return state
         live = self._state = LiveState.from_host(self._policy, device, state)
-        self._route = FusedRoute(self._policy, live.scale, float32_value(state.scale))
+        # As held on the host: a power of two here is one in float32 too; a value that only
+        # rounds to one counts as unknown, which is safe (torch's route until the next read).
+        self._route = FusedRoute(self._policy, live.scale, state.scale)
         if self._device is None:
             self._device = device.type
         return live
 
     def _require_state(self, funcname: str) -> LiveState:
-        if not isinstance(self._state, LiveState):
+        if not isinstance(self._state, LiveState) or self._state.unused_scale is not None:
             raise ScalerUsageError(
                 f"Attempted {funcname}() but the scale was never used: call "
                 "scaler.scale(loss).backward() earlier in the iteration, before "
                 f"scaler.{funcname}()."
             )
-        return self._state
+        return self._state  # settled by scale(), which every iteration starts with
 
     def _saw(self, value: float) -> None:
         if self._route is not None:
@@ -259,7 +266,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         return scaled
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
-        scale = self._live(device).scale
+        live = self._live(device)
+        live.unused_scale = None  # from now on the scale is the float32 tensor's value
+        scale = live.scale
         return scale if scale.device == device else scale.to(device, non_blocking=True)
 
     def get_scale(self) -> float:
@@ -274,6 +283,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         state = self._state
         if isinstance(state, HostState):
             return state.scale
+        if state.unused_scale is not None:
+            return state.unused_scale
+        state.settle()
         value = float(state.scale.item())
         self._saw(value)
         return value
@@ -392,6 +404,21 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             return self._fused_step(optimizer, record, state, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
+        return self._decide_and_step(optimizer, record, state, args, kwargs)
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _decide_and_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: _OptimizerRecord,
+        state: LiveState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Read the (agreed) flag and step or skip: one host sync. Under ``torch.compile`` this
+        runs eagerly, as torch's whole ``step()`` does: the read is a graph break either way,
+        and a traced decision would compile one graph per outcome and localize skipped steps
+        inside the graph."""
         found_inf = record.found_inf
         ranks: tuple[int, ...] = ()
         if found_inf is None:
@@ -468,11 +495,17 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         state = self._require_state("update")
         if self._agreement is not None:
             self._agreement.settle()
+        flags = [r.found_inf for r in self._per_optimizer.values() if r.found_inf is not None]
+        if new_scale is None and flags and self._defers_update():
+            state.defer(self._policy, flags)
+            self._moved_by_policy()
+            # The live scale still holds the old value until the update is applied.
+            self._end_iteration(flags[0], state.scale, state)
+            return
+        state.settle()  # an earlier update handed over under torch.compile comes first
         found_inf = None  # the sum of the optimizers' flags (> 0 iff any overflowed)
-        for record in self._per_optimizer.values():
-            if record.found_inf is not None:
-                flag = record.found_inf
-                found_inf = flag if found_inf is None else found_inf + flag
+        for flag in flags:
+            found_inf = flag if found_inf is None else found_inf + flag
         if new_scale is not None:
             value = new_scale_value(new_scale, self._policy)
             old_scale = state.set_scale(value, found_inf)
@@ -484,13 +517,33 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             )
         else:
             old_scale = state.advance(self._policy, found_inf)
-            assert self._route is not None  # created with the live state
-            self._route.updated()
+            self._moved_by_policy()
+        if found_inf is None:
+            self._per_optimizer = {}
+            return
+        self._end_iteration(found_inf, old_scale, state)
+        if self._max_consecutive_skips is not None:
+            self._check_persistent_overflow(state, self._max_consecutive_skips)
+
+    def _defers_update(self) -> bool:
+        """Whether ``update()`` hands its work to the next read of the state: under
+        ``torch.compile``, when no host read is due now (no step records consumed, no skip
+        limit); see :meth:`LiveState.defer`."""
+        return (
+            torch.compiler.is_compiling()
+            and self._max_consecutive_skips is None
+            and not self._monitor.consuming
+        )
+
+    def _moved_by_policy(self) -> None:
+        assert self._route is not None  # created with the live state
+        self._route.updated()
+
+    def _end_iteration(
+        self, found_inf: torch.Tensor, old_scale: torch.Tensor, state: LiveState
+    ) -> None:
         self._per_optimizer = {}
-        if found_inf is not None:
-            self._monitor.after_update(found_inf, old_scale, state.scale, state.counters)
-            if self._max_consecutive_skips is not None:
-                self._check_persistent_overflow(state, self._max_consecutive_skips)
+        self._monitor.after_update(found_inf, old_scale, state.scale, state.counters)
 
     def _check_persistent_overflow(self, state: LiveState, limit: int) -> None:
         in_a_row = int(state.counters.consecutive_skips.item())

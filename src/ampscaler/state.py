@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -93,11 +95,25 @@ class StepCounters:
 
     def record(self, found_inf: torch.Tensor, old_scale: torch.Tensor) -> None:
         """Count one iteration: it overflowed iff ``found_inf > 0``; it started at
-        ``old_scale`` (a copy nobody modifies) and ended at the live scale's value now."""
+        ``old_scale`` (a copy nobody modifies) and ended at the live scale's value now. A NaN
+        ``found_inf`` stands for no iteration and is not counted.
+
+        Eagerly the iteration is kept for a later fold; under ``torch.compile`` it is counted
+        at once, in place, so the compiled graph holds no growing list (and its guards never
+        change with the step number).
+        """
+        if torch.compiler.is_compiling():
+            self.count_now(found_inf, old_scale)
+            return
         self._found.append(found_inf)
         self._old.append(old_scale)
         if len(self._found) >= FOLD_EVERY:
             self._fold()
+
+    def count_now(self, found_inf: torch.Tensor, old_scale: torch.Tensor) -> None:
+        """:meth:`record`, counted at once in place: nothing is kept for later."""
+        self._fold()
+        self._count(found_inf.reshape(1), old_scale.reshape(1))
 
     @property
     def steps(self) -> torch.Tensor:
@@ -117,12 +133,17 @@ class StepCounters:
         return ScalerStats(*(int(v) for v in self._values.tolist()))
 
     def _fold(self) -> None:
-        count = len(self._found)
-        if not count:
-            return
-        device = self._values.device
-        overflow = torch.stack([flag.to(device, torch.float32) for flag in self._found]) > 0
-        old = torch.stack(self._old)
+        if self._found:
+            found = torch.stack([flag.to(self._values.device) for flag in self._found])
+            self._count(found, torch.stack(self._old))
+            self._found, self._old = [], []
+
+    def _count(self, found: torch.Tensor, old: torch.Tensor) -> None:
+        """Add iterations with inf flags ``found`` that started at scales ``old`` (1-dim, in
+        order; the last one ended at the live scale), in place. NaN flags are not counted."""
+        counted = ~torch.isnan(found)
+        count = counted.sum()
+        overflow = found > 0
         # Each iteration ended where the next one started; the last one ends at the live scale.
         new = torch.cat((old[1:], self._scale.reshape(1)))
         # The overflows at the end, in a row: 1s of the reversed flags up to their first 0.
@@ -133,13 +154,12 @@ class StepCounters:
                 (
                     steps + count,
                     skipped + overflow.sum(),
-                    growths + (new > old).sum(),
-                    backoffs + (new < old).sum(),
+                    growths + ((new > old) & counted).sum(),
+                    backoffs + ((new < old) & counted).sum(),
                     trailing + in_a_row * (trailing == count),
                 )
             )
         )
-        self._found, self._old = [], []
 
 
 @dataclass(frozen=True)
@@ -164,6 +184,8 @@ class LiveState:
         tensors: the three as a :class:`~ampscaler.policy.ScaleState`.
         counters: the step counters.
         device: where the state lives.
+        unused_scale: the scale as given (not rounded to float32) until the first ``scale()``
+            uses the state: what torch's ``get_scale()`` and ``state_dict()`` report until then.
 
     Args:
         policy: the policy whose initial budget fills ``hysteresis_left`` by default.
@@ -188,6 +210,12 @@ class LiveState:
         self.scale, self.growth_tracker, self.hysteresis_left = self.tensors
         self.device = self.scale.device
         self.counters = StepCounters(self.scale, stats)
+        self.unused_scale: float | None = scale
+        # An update handed over under torch.compile (see defer()); NaN: nothing pending.
+        self._nothing = torch.full((), math.nan, dtype=torch.float32, device=self.device)
+        self._pending: tuple[torch.Tensor, ...] = (self._nothing,)
+        self._pending_policy = policy
+        self.deferred = False
 
     @classmethod
     def from_host(cls, policy: Policy, device: torch.device, host: HostState) -> LiveState:
@@ -206,6 +234,8 @@ class LiveState:
         scale, tracker, budget = torch.stack(
             [t.to(torch.float64) for t in self.tensors]
         ).tolist()
+        if self.unused_scale is not None:
+            scale = self.unused_scale
         return HostState(scale, int(tracker), int(budget), self.counters.stats())
 
     def advance(self, policy: Policy, found_inf: torch.Tensor) -> torch.Tensor:
@@ -218,6 +248,37 @@ class LiveState:
         self.counters.record(found_inf, old)
         return old
 
+    def defer(self, policy: Policy, flags: Sequence[torch.Tensor]) -> None:
+        """``update()`` under ``torch.compile``: keep the iteration's inf flags and apply the
+        policy at the next :meth:`settle`. No device work here: between the optimizer's graph
+        break and ``zero_grad()``'s, any would be a compiled graph of its own (torch's scaler
+        runs its update eagerly there, with none)."""
+        self._pending = tuple(flags)
+        self._pending_policy = policy
+        self.deferred = True
+
+    def settle(self) -> None:
+        """Apply an update handed over by :meth:`defer`, in place (every reader calls this).
+
+        Eagerly only when one is pending. Under ``torch.compile`` always, branch-free: the
+        transition is masked by whether the kept flag is NaN (nothing pending), so the graph
+        holds no Python decision that could change from step to step. No host sync.
+        """
+        if not (torch.compiler.is_compiling() or self.deferred):
+            return
+        found = self._pending[0]
+        for flag in self._pending[1:]:
+            found = found + flag
+        pending = ~torch.isnan(found)
+        old = self.scale.clone()
+        moved = self._pending_policy.adjust(self.tensors, torch.where(pending, found, 0.0))
+        for live, value in zip(self.tensors, moved, strict=True):
+            if value is not live:
+                live.copy_(torch.where(pending, value, live))
+        self.counters.count_now(found, old)  # kept iterations would change a compiled guard
+        self._pending = (self._nothing,)
+        self.deferred = False
+
     def set_scale(self, value: float, found_inf: torch.Tensor | None) -> torch.Tensor:
         """``update(new_scale)``: write ``value`` into the scale; count the iteration when
         ``found_inf`` is given. Returns a copy of the old scale."""
@@ -229,6 +290,8 @@ class LiveState:
 
     def load(self, host: HostState) -> None:
         """Overwrite every value with ``host``'s (a loaded checkpoint), keeping the tensors."""
+        if self.unused_scale is not None:
+            self.unused_scale = host.scale
         self.scale.fill_(host.scale)
         self.growth_tracker.fill_(host.growth_tracker)
         self.hysteresis_left.fill_(host.hysteresis_left)

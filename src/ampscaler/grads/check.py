@@ -93,8 +93,16 @@ class FusedRoute:
         self._watch.saw(value)
 
     def updated(self) -> None:
-        """One ``update()`` moved the scale by the policy."""
-        self._watch.updated(self._scale)
+        """One ``update()`` moved the scale by the policy.
+
+        Under ``torch.compile`` the watch forgets what it knew instead of counting updates
+        (a Python count in a compiled graph would be guarded on, recompiling every step):
+        compiled steps take torch's route, and the host's next read of the scale renews it.
+        """
+        if torch.compiler.is_compiling():
+            self._watch.forget()
+        else:
+            self._watch.updated(self._scale)
 
     def plan(
         self, optimizer: torch.optim.Optimizer, groups: GradGroups
@@ -102,7 +110,8 @@ class FusedRoute:
         """``(multiplier, grad_scale)``: what the check multiplies ``optimizer``'s gradients
         by, and the ``grad_scale`` its kernel gets (``None``: the check unscaled them)."""
         if (
-            not hasattr(optimizer, "grad_scale")
+            not torch.compiler.is_compiling()
+            and not hasattr(optimizer, "grad_scale")
             and self._watch.exact
             and _kernel_divides(optimizer)
             and all(dtype in _WIDE_FLOATS for per_dtype in groups.values() for dtype in per_dtype)

@@ -121,6 +121,12 @@ class Pow2Watch:
         self._known_at = self._updates
         self._pending = None
 
+    def forget(self) -> None:
+        """The scale moved in a way the watch did not follow: nothing is known until the
+        next :meth:`saw`."""
+        self._known = None
+        self._pending = None
+
     def updated(self, scale: torch.Tensor) -> None:
         """One ``update()`` ran; ``scale`` is the new scale tensor (on the device)."""
         self._updates += 1

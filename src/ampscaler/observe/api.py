@@ -107,7 +107,10 @@ class ObserverMethods:
             step 0: non-finite gradients at scale 65536 in 1 parameter(s): bias (nan)
         """
         state = self._state
-        return self._monitor.last_overflow(state.counters if isinstance(state, LiveState) else None)
+        if not isinstance(state, LiveState):
+            return self._monitor.last_overflow(None)
+        state.settle()  # counts an update handed over under torch.compile
+        return self._monitor.last_overflow(state.counters)
 
     @property
     def history(self) -> list[StepRecord]:
@@ -201,7 +204,10 @@ class ObserverMethods:
             ScalerStats(steps=0, skipped=0, growths=0, backoffs=0, consecutive_skips=0)
         """
         state = self._state
-        return state.counters.stats() if isinstance(state, LiveState) else state.stats
+        if not isinstance(state, LiveState):
+            return state.stats
+        state.settle()
+        return state.counters.stats()
 
     def watch(self, *models: torch.nn.Module, **named_models: torch.nn.Module) -> None:
         """Learn parameter names from ``models`` so overflow reports can name them.
