@@ -444,7 +444,6 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        refuse_legacy_protocol(optimizer)
         grad_scale: torch.Tensor | None = getattr(optimizer, "grad_scale", None)
         if record.stage is OptState.READY:
             assert self._route is not None  # created with the live state
@@ -456,13 +455,7 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            retval = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
+        retval = _step_skipping_in_kernel(optimizer, grad_scale, found_inf, args, kwargs)
         record.stage = OptState.STEPPED
         self._last_found_inf = found_inf
         self._monitor.note_step(optimizer, found_inf, state.scale, state.counters)
@@ -570,3 +563,28 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             f"GradScaler(device={self._device!r}, scale={self.get_scale():g}, "
             f"policy={self._policy})"
         )
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _step_skipping_in_kernel(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Step an optimizer that unscales by ``optimizer.grad_scale`` and skips on
+    ``optimizer.found_inf`` inside its kernel; the attributes exist only during the step.
+    Optimizers with torch's deprecated ``grad_scaler=`` protocol are refused.
+
+    Eager under ``torch.compile``, as torch's whole ``step()`` is: the optimizer's own step
+    breaks the graph anyway, and the attributes it reads are set and removed around it.
+    """
+    refuse_legacy_protocol(optimizer)
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
