@@ -3,7 +3,7 @@
 - A whole compiled step (scale, backward, unscale_, clip, step, update, zero_grad) makes no
   more graph breaks and no more graphs than the same step with torch's scaler, for plain,
   foreach and fused optimizers, with zero_grad(set_to_none) both ways, and recompiles nothing
-  after the first steps; its scales and skipped steps are the eager run's.
+  after the first step; its scales and skipped steps are the eager run's.
 - ampscaler's own calls trace whole: unscale_ followed by clip_grad_norm_, and update(), each
   compile with fullgraph=True and never recompile as the scale grows, backs off and steps
   are skipped.
@@ -45,7 +45,7 @@ class Run:
     params: list[torch.Tensor] = field(default_factory=list)
     breaks: int = 0
     graphs: int = 0
-    recompiles_after_first_steps: int = 0
+    recompiles_after_first_step: int = 0
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +77,7 @@ def whole_step(factory: type, kind: str, set_to_none: bool, compiled: bool) -> R
     run = Run()
     fn = torch.compile(step, backend="eager") if compiled else step
     for index in range(STEPS):
-        if index == 4:
+        if index == 1:  # everything compiles at the first call
             graphs_after_warmup = counters["stats"]["unique_graphs"]
         before = scaler.get_scale()
         fn(torch.tensor(float("inf") if index in POISONED else 1.0))
@@ -86,7 +86,7 @@ def whole_step(factory: type, kind: str, set_to_none: bool, compiled: bool) -> R
     run.params = [p.detach().clone() for p in model.parameters()]
     run.breaks = sum(counters["graph_break"].values())
     run.graphs = counters["stats"]["unique_graphs"]
-    run.recompiles_after_first_steps = run.graphs - graphs_after_warmup
+    run.recompiles_after_first_step = run.graphs - graphs_after_warmup
     return run
 
 
@@ -101,13 +101,48 @@ def test_whole_compiled_step_breaks_and_graphs_at_most_torchs(
     ours = whole_step(ampscaler.GradScaler, kind, set_to_none, compiled=True)
     assert ours.breaks <= theirs.breaks, (ours.breaks, theirs.breaks)
     assert ours.graphs <= theirs.graphs, (ours.graphs, theirs.graphs)
-    assert ours.recompiles_after_first_steps == 0
+    assert ours.recompiles_after_first_step == 0
     # And the same training as torch's, compiled or not.
     assert ours.scales == theirs.scales
     assert any(ours.skipped) and max(ours.scales) > 2.0**10  # backoffs and growth happened
     eager = whole_step(ampscaler.GradScaler, kind, set_to_none, compiled=False)
     assert ours.scales == eager.scales
     assert all(torch.equal(a, b) for a, b in zip(ours.params, eager.params, strict=True))
+
+
+def _minimal_loop_counts(factory: type) -> tuple[int, int, int]:
+    """(breaks, graphs, graphs added after the first call) of the shortest compiled loop:
+    scale, backward, step, update, zero_grad, with no argument to the compiled function."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    scaler = factory("cpu")
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    @torch.compile(backend="eager")
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    step()
+    first = counters["stats"]["unique_graphs"]
+    for _ in range(4):
+        step()
+    graphs = counters["stats"]["unique_graphs"]
+    return sum(counters["graph_break"].values()), graphs, graphs - first
+
+
+def test_the_shortest_compiled_loop_compiles_once() -> None:
+    theirs = _minimal_loop_counts(torch.amp.GradScaler)
+    breaks, graphs, recompiled = _minimal_loop_counts(ampscaler.GradScaler)
+    assert breaks <= theirs[0] and graphs <= theirs[1], ((breaks, graphs), theirs)
+    assert recompiled == 0
 
 
 def _trained_with_compiled_calls(

@@ -153,3 +153,18 @@ def test_a_changed_backoff_applies_only_to_later_updates() -> None:
         watch.updated(scale)
     assert watch.exact
     assert watch._bound() == -60
+
+
+def test_a_forgotten_watch_renews_from_a_copy_of_the_scale_on_the_cpu() -> None:
+    """An update under torch.compile makes the watch forget; the next eager question reads a
+    copy of the scale (free on the CPU) instead of answering from the stale bound."""
+    policy = ScalePolicy()
+    state = initial_state(policy, 2.0**10, CPU)
+    watch = Pow2Watch(policy, CPU)
+    watch.saw(2.0**10)
+    state.scale.fill_(3.0)  # moved behind the watch's back
+    watch.forget(state.scale)
+    assert not watch.exact  # 3.0: read from the copy, not from the old bound
+    state.scale.fill_(2.0**-3)
+    watch.forget(state.scale)
+    assert watch.exact

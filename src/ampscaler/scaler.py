@@ -368,6 +368,7 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             **state.tensors._asdict(),
         }
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale ``optimizer``'s gradients if needed, then step it unless they hold inf/NaN.
 
@@ -380,6 +381,10 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         With torch's own fused optimizers and a power-of-two scale the check pass also unscales,
         sparing the kernel a write pass; results are bit for bit torch's, but after a *skipped*
         fused step the gradients are left unscaled (see :mod:`ampscaler.grads.check`).
+
+        Under ``torch.compile`` it runs eagerly, as torch's ``step()`` does (one graph break;
+        the optimizer's own step breaks the graph anyway). Call :meth:`unscale_` first to have
+        the check traced into the compiled graph, with the clipping that usually follows.
 
         Raises:
             RuntimeError: a ``closure`` (closures re-evaluate an unscaled loss, which the
@@ -406,7 +411,6 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             self.unscale_(optimizer)
         return self._decide_and_step(optimizer, record, state, args, kwargs)
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _decide_and_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -415,10 +419,7 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """Read the (agreed) flag and step or skip: one host sync. Under ``torch.compile`` this
-        runs eagerly, as torch's whole ``step()`` does: the read is a graph break either way,
-        and a traced decision would compile one graph per outcome and localize skipped steps
-        inside the graph."""
+        """Read the (agreed) flag and step or skip: one host sync."""
         found_inf = record.found_inf
         ranks: tuple[int, ...] = ()
         if found_inf is None:
@@ -565,7 +566,6 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         )
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _step_skipping_in_kernel(
     optimizer: torch.optim.Optimizer,
     grad_scale: torch.Tensor | None,
@@ -576,9 +576,6 @@ def _step_skipping_in_kernel(
     """Step an optimizer that unscales by ``optimizer.grad_scale`` and skips on
     ``optimizer.found_inf`` inside its kernel; the attributes exist only during the step.
     Optimizers with torch's deprecated ``grad_scaler=`` protocol are refused.
-
-    Eager under ``torch.compile``, as torch's whole ``step()`` is: the optimizer's own step
-    breaks the graph anyway, and the attributes it reads are set and removed around it.
     """
     refuse_legacy_protocol(optimizer)
     optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]

@@ -212,8 +212,7 @@ class LiveState:
         self.counters = StepCounters(self.scale, stats)
         self.unused_scale: float | None = scale
         # An update handed over under torch.compile (see defer()); NaN: nothing pending.
-        self._nothing = torch.full((), math.nan, dtype=torch.float32, device=self.device)
-        self._pending: tuple[torch.Tensor, ...] = (self._nothing,)
+        self._pending: tuple[torch.Tensor, ...] = (self._nothing(),)
         self._pending_policy = policy
         self.deferred = False
 
@@ -248,6 +247,11 @@ class LiveState:
         self.counters.record(found_inf, old)
         return old
 
+    def _nothing(self) -> torch.Tensor:
+        # A new tensor each time: one kept and reused would alias the pending flag on the
+        # first compiled call, and torch.compile guards on aliasing (a recompile later).
+        return torch.full((), math.nan, dtype=torch.float32, device=self.device)
+
     def defer(self, policy: Policy, flags: Sequence[torch.Tensor]) -> None:
         """``update()`` under ``torch.compile``: keep the iteration's inf flags and apply the
         policy at the next :meth:`settle`. No device work here: between the optimizer's graph
@@ -276,7 +280,7 @@ class LiveState:
             if value is not live:
                 live.copy_(torch.where(pending, value, live))
         self.counters.count_now(found, old)  # kept iterations would change a compiled guard
-        self._pending = (self._nothing,)
+        self._pending = (self._nothing(),)
         self.deferred = False
 
     def set_scale(self, value: float, found_inf: torch.Tensor | None) -> torch.Tensor:

@@ -96,11 +96,12 @@ class FusedRoute:
         """One ``update()`` moved the scale by the policy.
 
         Under ``torch.compile`` the watch forgets what it knew instead of counting updates
-        (a Python count in a compiled graph would be guarded on, recompiling every step):
-        compiled steps take torch's route, and the host's next read of the scale renews it.
+        (a Python count in a compiled graph would be guarded on, recompiling every step); the
+        next eager :meth:`plan` renews it from a copy of the scale (on the CPU at once; on
+        CUDA once a non-blocking copy has landed, torch's route until then).
         """
         if torch.compiler.is_compiling():
-            self._watch.forget()
+            self._watch.forget(self._scale)
         else:
             self._watch.updated(self._scale)
 
@@ -110,8 +111,7 @@ class FusedRoute:
         """``(multiplier, grad_scale)``: what the check multiplies ``optimizer``'s gradients
         by, and the ``grad_scale`` its kernel gets (``None``: the check unscaled them)."""
         if (
-            not torch.compiler.is_compiling()
-            and not hasattr(optimizer, "grad_scale")
+            not hasattr(optimizer, "grad_scale")
             and self._watch.exact
             and _kernel_divides(optimizer)
             and all(dtype in _WIDE_FLOATS for per_dtype in groups.values() for dtype in per_dtype)

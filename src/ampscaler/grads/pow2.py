@@ -102,6 +102,7 @@ class Pow2Watch:
         self._known: int | None = None
         self._known_at = 0
         self._pending: _HostCopy | None = None
+        self._forgotten: torch.Tensor | None = None  # the scale, to copy once it is read again
         self._drop: int | None = None
         self._floor: int | None = None
         self.set_policy(policy)
@@ -120,12 +121,16 @@ class Pow2Watch:
         self._known = pow2_exponent(value) if self._drop is not None else None
         self._known_at = self._updates
         self._pending = None
+        self._forgotten = None
 
-    def forget(self) -> None:
-        """The scale moved in a way the watch did not follow: nothing is known until the
-        next :meth:`saw`."""
+    def forget(self, scale: torch.Tensor) -> None:
+        """The scale (the tensor ``scale``) moved in a way the watch did not follow (an update
+        under ``torch.compile``, where counting would be guarded on): nothing is known until
+        the next :meth:`saw`, or until a copy of ``scale`` taken at the next :attr:`exact`
+        has landed (at once on the CPU)."""
         self._known = None
         self._pending = None
+        self._forgotten = scale
 
     def updated(self, scale: torch.Tensor) -> None:
         """One ``update()`` ran; ``scale`` is the new scale tensor (on the device)."""
@@ -139,6 +144,9 @@ class Pow2Watch:
         """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now."""
         if not self._device_ok:
             return False
+        if self._forgotten is not None:
+            self._pending = _HostCopy(self._forgotten, self._updates)
+            self._forgotten = None
         self._adopt_landed()
         bound = self._bound()
         return bound is not None and bound >= LOWEST_EXACT
