@@ -149,6 +149,7 @@ def test_param_group_added_mid_training_is_checked_and_unscaled(fused: bool) -> 
         assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device beside the CPU")
 def test_gradients_on_two_devices_match_torch() -> None:
     results = []

@@ -150,6 +150,7 @@ def test_the_counter_sees_a_sync() -> None:
         assert counter.count == 2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("steps", "overflow_every"), [(4, None), (400, 2)])
 def test_fused_path_never_syncs_on_cuda(steps: int, overflow_every: int | None) -> None:
