@@ -477,6 +477,11 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         the skip counter, and consumers of step records (sinks, history, :meth:`on`) read the
         iteration's outcome in one sync.
 
+        Under ``torch.compile`` (with none of those three) it hands the iteration's flags to the
+        live state and the next ``scale()`` applies them, so it compiles with no device work of
+        its own; anything that reads the state applies a pending update first, so the values
+        are the eager run's (docs/compiled.md).
+
         Raises:
             AssertionError / RuntimeError: no ``step()`` (or ``unscale_``) was recorded in this
                 iteration (:class:`~ampscaler.ScalerUsageError` is both).
