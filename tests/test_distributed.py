@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,15 +34,6 @@ def two_ranks() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict[str, Any]]:
     return multirank.spawn(4, ["sgd_four", "subgroups", "outsider", "mismatch_hysteresis"])
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def assert_params_equal(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:

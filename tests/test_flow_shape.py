@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -49,15 +49,6 @@ def visits(call: Callable[[], object]) -> Counter[str]:
     finally:
         sys.setprofile(None)
     return seen
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _steps(fused: bool, group: dist.ProcessGroup | None) -> list[Counter[str]]:

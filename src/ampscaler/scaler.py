@@ -409,9 +409,9 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             return self._fused_step(optimizer, record, state, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
-        return self._decide_and_step(optimizer, record, state, args, kwargs)
+        return self._plain_step(optimizer, record, state, args, kwargs)
 
-    def _decide_and_step(
+    def _plain_step(
         self,
         optimizer: torch.optim.Optimizer,
         record: _OptimizerRecord,
