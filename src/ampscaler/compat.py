@@ -38,23 +38,46 @@ from .state import HostState, LiveState
 
 __all__ = [
     "TorchPolicyMethods",
-    "TorchPrivateNames",
+    "TorchStateAccess",
     "device_and_enabled",
     "new_scale_value",
     "refuse_legacy_protocol",
     "scale_nested",
+    "step_fused",
 ]
 
 
-class TorchPrivateNames:
-    """Mixin: torch's private names over the scaler's state (see the module docstring)."""
+class TorchStateAccess:
+    """Mixin: torch's names that read the scaler's state: ``get_scale()`` and the private
+    names of the module docstring."""
 
     _enabled: bool
     _state: LiveState | HostState
+    _saw: Callable[[float], None]  # tells the fused route the scale's value
 
     @property
     def _scale(self) -> torch.Tensor | None:
         return self._get_scale_async()
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float; 1.0 when disabled. A host sync.
+
+        Example:
+            >>> import ampscaler
+            >>> ampscaler.GradScaler("cpu", init_scale=128.0).get_scale()
+            128.0
+        """
+        if not self._enabled:
+            return 1.0
+        state = self._state
+        if isinstance(state, HostState):
+            return state.scale
+        if state.unused_scale is not None:
+            return state.unused_scale
+        state.settle()
+        value = float(state.scale.item())
+        self._saw(value)
+        return value
 
     def _settled(self) -> LiveState | None:
         state = self._state
@@ -235,3 +258,24 @@ def new_scale_value(new_scale: float | torch.Tensor, policy: Policy) -> float:
             )
         new_scale = float(new_scale.item())
     return float32_value(policy.check_scale("new_scale", new_scale))
+
+
+def step_fused(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Step an optimizer that unscales by ``optimizer.grad_scale`` and skips on
+    ``optimizer.found_inf`` inside its kernel; the attributes exist only during the step.
+    Optimizers with torch's deprecated ``grad_scaler=`` protocol are refused.
+    """
+    refuse_legacy_protocol(optimizer)
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]

@@ -28,11 +28,11 @@ import torch
 from .checkpoint import CheckpointMethods, check_skip_limit, policy_settings
 from .compat import (
     TorchPolicyMethods,
-    TorchPrivateNames,
+    TorchStateAccess,
     device_and_enabled,
     new_scale_value,
-    refuse_legacy_protocol,
     scale_nested,
+    step_fused,
 )
 from .distributed import RankAgreement, SettingValue
 from .errors import InvalidConfigError, PersistentOverflowError, ScalerUsageError
@@ -72,7 +72,7 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
-class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, CheckpointMethods):
+class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, CheckpointMethods):
     """Dynamic loss scaling for mixed-precision training; a drop-in ``torch.amp.GradScaler``.
 
     ``scale(loss)`` multiplies the loss by the scale ``S`` so that small fp16 gradients do not
@@ -271,25 +271,6 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         scale = live.scale
         return scale if scale.device == device else scale.to(device, non_blocking=True)
 
-    def get_scale(self) -> float:
-        """The current scale as a Python float; 1.0 when disabled. A host sync.
-
-        Example:
-            >>> GradScaler("cpu", init_scale=128.0).get_scale()
-            128.0
-        """
-        if not self._enabled:
-            return 1.0
-        state = self._state
-        if isinstance(state, HostState):
-            return state.scale
-        if state.unused_scale is not None:
-            return state.unused_scale
-        state.settle()
-        value = float(state.scale.item())
-        self._saw(value)
-        return value
-
     # ------------------------------------------------------------------ unscale and step
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -456,7 +437,7 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
-        retval = _step_skipping_in_kernel(optimizer, grad_scale, found_inf, args, kwargs)
+        retval = step_fused(optimizer, grad_scale, found_inf, args, kwargs)
         record.stage = OptState.STEPPED
         self._last_found_inf = found_inf
         self._monitor.note_step(optimizer, found_inf, state.scale, state.counters)
@@ -569,24 +550,3 @@ class GradScaler(TorchPrivateNames, TorchPolicyMethods, ObserverMethods, Checkpo
             f"GradScaler(device={self._device!r}, scale={self.get_scale():g}, "
             f"policy={self._policy})"
         )
-
-
-def _step_skipping_in_kernel(
-    optimizer: torch.optim.Optimizer,
-    grad_scale: torch.Tensor | None,
-    found_inf: torch.Tensor,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """Step an optimizer that unscales by ``optimizer.grad_scale`` and skips on
-    ``optimizer.found_inf`` inside its kernel; the attributes exist only during the step.
-    Optimizers with torch's deprecated ``grad_scaler=`` protocol are refused.
-    """
-    refuse_legacy_protocol(optimizer)
-    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-    try:
-        return optimizer.step(*args, **kwargs)
-    finally:
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
