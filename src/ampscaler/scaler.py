@@ -349,7 +349,6 @@ class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, Checkpoi
             **state.tensors._asdict(),
         }
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale ``optimizer``'s gradients if needed, then step it unless they hold inf/NaN.
 
@@ -371,6 +370,11 @@ class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, Checkpoi
             RuntimeError: a ``closure`` (closures re-evaluate an unscaled loss, which the
                 scaler cannot check), or a second ``step()`` before ``update()``.
         """
+        if torch.compiler.is_compiling():
+            return self._eager_step(optimizer, *args, **kwargs)  # a graph break, on purpose
+        return self._step(optimizer, *args, **kwargs)
+
+    def _step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
@@ -391,6 +395,10 @@ class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, Checkpoi
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
         return self._plain_step(optimizer, record, state, args, kwargs)
+
+    # step() runs eagerly under torch.compile, as torch's does (without the disable wrapper's
+    # cost on every eager call).
+    _eager_step = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
 
     def _plain_step(
         self,

@@ -89,7 +89,8 @@ def _sparse_values(param: torch.Tensor, grad: torch.Tensor, allow_fp16: bool) ->
     if grad.dtype is torch.float16:
         if not allow_fp16:
             raise ValueError(FP16_GRADS_MESSAGE)
-        grad = param.grad = grad.coalesce()
+        with torch.no_grad():
+            grad = param.grad = grad.coalesce()
     return grad._values()
 
 
@@ -106,26 +107,25 @@ def collect(
     """
     by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     dtensor = _dtensor_type() if local else None
-    with torch.no_grad():
-        try:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    grad = param.grad
-                    if grad is None:
-                        continue
-                    if dtensor is not None and isinstance(grad, dtensor):
-                        grad = grad.to_local()
-                    if grad.is_sparse:
-                        grad = _sparse_values(param, grad, allow_fp16)
-                    key = (grad.device, grad.dtype)
-                    bucket = by_key.get(key)
-                    if bucket is None:
-                        bucket = by_key[key] = []
-                    bucket.append(grad)
-        except AttributeError:  # a parameter that is not a tensor: say which one
-            for _ in iter_params(optimizer):
-                pass
-            raise
+    try:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if dtensor is not None and isinstance(grad, dtensor):
+                    grad = grad.to_local()
+                if grad.is_sparse:
+                    grad = _sparse_values(param, grad, allow_fp16)
+                key = (grad.device, grad.dtype)
+                bucket = by_key.get(key)
+                if bucket is None:
+                    bucket = by_key[key] = []
+                bucket.append(grad)
+    except AttributeError:  # a parameter that is not a tensor: say which one
+        for _ in iter_params(optimizer):
+            pass
+        raise
     groups: GradGroups = {}
     for (device, dtype), bucket in by_key.items():
         if dtype is torch.float16 and not allow_fp16:
