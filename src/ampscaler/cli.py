@@ -14,12 +14,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torch import __version__ as torch_version
+
+from . import __version__
 from .errors import LogFormatError, SinkError
 from .observe.records import read_log
 
@@ -64,15 +68,34 @@ _non_negative_int = _int_at_least(0)
 _positive_int = _int_at_least(1)
 
 
+def require_extra(command: str, extra: str, modules: Sequence[str]) -> None:
+    """:class:`CommandError` naming the extra to install if any of ``modules`` is missing.
+
+    Called before a command does any work, so a missing package leaves nothing half-written.
+    """
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CommandError(
+            f"{command} needs {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; "
+            f"pip install 'ampscaler[{extra}]'."
+        )
+
+
 def output_folder(path: Path) -> Path:
-    """Create ``path`` (and its parents) if needed; :class:`CommandError` if that fails."""
+    """Create ``path`` (and its parents) if needed and check that files can be written there;
+    :class:`CommandError` if not."""
     if path.exists() and not path.is_dir():
         raise CommandError(f"--out {path} exists and is not a folder; pass a folder path.")
+    probe = path / ".ampscaler-write-check"
     try:
         path.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
     except OSError as error:
         raise CommandError(
-            f"cannot create the output folder {path} ({error.strerror or error})."
+            f"cannot write into the output folder {path} ({error.strerror or error}); pass "
+            "a folder you can write to."
         ) from error
     return path
 
@@ -106,16 +129,13 @@ def _add_report(commands: _Commands) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    require_extra("report", "report", ["matplotlib"])
     try:
         records = read_log(args.log)
     except OSError as error:
         raise CommandError(f"cannot read {args.log} ({error.strerror or error}).") from error
-    try:
-        from .report import render_report
-    except ImportError as error:
-        raise CommandError(
-            f"report needs matplotlib ({error}); pip install 'ampscaler[report]'."
-        ) from error
+    from .report import render_report
+
     out = output_folder(args.out)
     try:
         paths = render_report(records, out, window=args.window)
@@ -157,6 +177,11 @@ def _add_demo(commands: _Commands) -> None:
     parser.add_argument(
         "--seed", type=_non_negative_int, default=0, metavar="S", help="random seed (0)"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an --out folder that holds an earlier demo's results",
+    )
     parser.set_defaults(run=_run_demo)
 
 
@@ -171,13 +196,17 @@ def _new_demo_folder() -> Path:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    try:
-        from .demo import DemoConfig
-        from .demo.run import run_demo, summary_table
-    except ImportError as error:
-        raise CommandError(
-            f"demo needs matplotlib and tqdm ({error}); pip install 'ampscaler[demo]'."
-        ) from error
+    require_extra("demo", "demo", ["matplotlib", "tqdm"])
+    from .demo import DemoConfig
+    from .demo.run import DEMO_FILES, run_demo, summary_table
+
+    if args.out is not None and not args.overwrite:
+        earlier = [name for name in DEMO_FILES if (args.out / name).exists()]
+        if earlier:
+            raise CommandError(
+                f"--out {args.out} already holds an earlier demo's results ({', '.join(earlier)}); "
+                "pass a new folder, or --overwrite to replace them."
+            )
     out = output_folder(args.out if args.out is not None else _new_demo_folder())
     config = DemoConfig(steps=args.steps, seed=args.seed)
     print(f"Training the demo model three ways, {config.steps} steps each ...", flush=True)
@@ -209,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="ampscaler",
         description="ampscaler: dynamic loss scaling for fp16 training in PyTorch.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"ampscaler {__version__} (torch {torch_version})"
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
