@@ -26,6 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 from ampscaler.demo.train import (
     FP16_AMPSCALER,
     FP16_NO_SCALING,
@@ -39,7 +41,23 @@ from ampscaler.demo.train import (
 from ampscaler.observe.records import StepRecord
 from ampscaler.scaler import GradScaler
 
-__all__ = ["GROWTH_INTERVAL", "DemoOutcome", "demo_scaler", "run_demo", "summary_table"]
+__all__ = [
+    "DEMO_FILES",
+    "DEMO_THREADS",
+    "GROWTH_INTERVAL",
+    "DemoOutcome",
+    "demo_scaler",
+    "run_demo",
+    "summary_table",
+]
+
+DEMO_FILES = ("summary.json", "steps.jsonl", "loss.png", "scale.png")
+"""What a demo run writes into its folder."""
+
+DEMO_THREADS = 1
+"""The demo computes with one CPU thread, whatever the machine: results then depend on the
+arithmetic alone, not on how a thread count splits the sums, so every machine prints the same
+table (the README's)."""
 
 GROWTH_INTERVAL = 10
 """The scaled arm grows its scale every 10 clean steps (torch's default is 2000), so that a
@@ -174,8 +192,13 @@ def run_demo(config: DemoConfig, out: Path, progress: bool = True) -> DemoOutcom
     from ampscaler.report import plot_scale
 
     steps_path = out / "steps.jsonl"
-    with steps_path.open("w", encoding="utf-8") as log:
-        results = _train_logged(config, log, progress)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(DEMO_THREADS)
+    try:
+        with steps_path.open("w", encoding="utf-8") as log:
+            results = _train_logged(config, log, progress)
+    finally:
+        torch.set_num_threads(threads)
     outcome = DemoOutcome(results, [])
     summary = {
         "arms": {name: _arm_summary(result) for name, result in results.items()},
