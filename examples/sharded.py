@@ -37,6 +37,15 @@ def main() -> None:
 
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    if not 0 <= args.overflow_rank < world:
+        dist.destroy_process_group()
+        parser.error(
+            f"--overflow-rank {args.overflow_rank} is not a rank of this run (ranks 0 to "
+            f"{world - 1}); pass one of them, or start more ranks (--nproc-per-node)"
+        )
+    if not 0 <= args.overflow_at < args.steps:
+        dist.destroy_process_group()
+        parser.error(f"--overflow-at must be a step from 0 to {args.steps - 1}")
     mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(

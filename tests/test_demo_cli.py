@@ -40,7 +40,7 @@ def test_short_demo_writes_summary_log_and_plots(
     lines = (out / "steps.jsonl").read_text().splitlines()
     assert len(lines) == 3 * 12
     first = json.loads(lines[0])
-    assert first["arm"] == FP32 and first["step"] == 0
+    assert first["label"] == FP32 and first["step"] == 0
     assert {"loss", "skipped", "scale", "lr"} <= set(first)
     for png in ("loss.png", "scale.png"):
         pixels = imread(out / png)

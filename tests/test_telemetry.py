@@ -294,12 +294,14 @@ def test_logs_without_the_newer_fields_still_read(tmp_path: Path) -> None:
     assert record.probe.module_counts == {}
 
 
-def test_a_json_line_can_carry_keys_of_its_own(tmp_path: Path) -> None:
-    record = StepRecord(step=2, scale=4.0, new_scale=4.0, skipped=False, time=0.0, loss=0.5)
-    line = record.to_json_line(arm="fp16")
-    assert json.loads(line)["arm"] == "fp16" and json.loads(line)["loss"] == 0.5
+def test_a_labelled_record_round_trips_and_unknown_keys_are_ignored(tmp_path: Path) -> None:
+    record = StepRecord(
+        step=2, scale=4.0, new_scale=4.0, skipped=False, time=0.0, loss=0.5, label="fp16"
+    )
+    line = record.to_json_line()
+    assert json.loads(line)["label"] == "fp16" and json.loads(line)["loss"] == 0.5
     path = tmp_path / "steps.jsonl"
-    path.write_text(line + "\n")
-    assert ampscaler.read_log(path) == [record]
-    with pytest.raises(ValueError, match="step"):
-        record.to_json_line(step=3)
+    path.write_text(line + "\n" + json.dumps({**json.loads(line), "note": "mine"}) + "\n")
+    assert ampscaler.read_log(path) == [record, record]
+    unlabelled = StepRecord(step=2, scale=4.0, new_scale=4.0, skipped=False, time=0.0)
+    assert "label" not in json.loads(unlabelled.to_json_line())

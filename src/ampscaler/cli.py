@@ -25,7 +25,7 @@ from torch import __version__ as torch_version
 
 from . import __version__
 from .errors import LogFormatError, SinkError
-from .observe.records import read_log
+from .observe.records import load_log
 
 __all__ = ["COMMANDS", "CommandError", "build_parser", "main"]
 
@@ -131,9 +131,13 @@ def _add_report(commands: _Commands) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     require_extra("report", "report", ["matplotlib"])
     try:
-        records = read_log(args.log)
+        log = load_log(args.log)
     except OSError as error:
         raise CommandError(f"cannot read {args.log} ({error.strerror or error}).") from error
+    records = log.records
+    if log.cut_short:
+        print(f"{args.log}: its last line was cut short (a run stopped while writing it); "
+              "1 line left out.")
     from .report import render_report
 
     out = output_folder(args.out)

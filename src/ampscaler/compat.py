@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -231,6 +231,11 @@ def scale_nested(outputs: object, scale_on: Callable[[torch.device], torch.Tenso
             if scale is None:
                 scale = per_device[value.device] = scale_on(value.device)
             return value * scale
+        if isinstance(value, Mapping):
+            raise ValueError(
+                "scale() takes a Tensor or a list/tuple of Tensors, not a dict (as torch's): "
+                "scale the values, e.g. scaler.scale(list(losses.values())), or their sum."
+            )
         if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
             raise ValueError(
                 "outputs must be a Tensor or an iterable of Tensors, found a "

@@ -28,12 +28,14 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
+    "by_label",
     "default_window",
     "plot_modules",
     "plot_probe",
     "plot_scale",
     "plot_skips",
     "render_report",
+    "scale_series",
 ]
 
 _SKIP_COLOR = "#d62728"
@@ -63,12 +65,32 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
+def by_label(records: Sequence[StepRecord]) -> dict[str | None, list[StepRecord]]:
+    """The records of each run in a log, by :attr:`~ampscaler.StepRecord.label`, in the order
+    the labels first appear (one run labelled ``None`` for an ordinary scaler's log)."""
+    runs: dict[str | None, list[StepRecord]] = {}
+    for record in records:
+        runs.setdefault(record.label, []).append(record)
+    return runs
+
+
+def scale_series(records: Sequence[StepRecord]) -> tuple[list[int], list[float]]:
+    """Steps and the scale each used, then one point past the last step at the scale after
+    its update: the line ends where the run's ``get_scale()`` ends."""
+    steps = [r.step for r in records] + [records[-1].step + 1]
+    return steps, [r.scale for r in records] + [records[-1].new_scale]
+
+
 def plot_scale(records: Sequence[StepRecord], path: Path) -> Path:
-    """The loss scale each step used (log axis), skipped steps marked with crosses."""
+    """The loss scale each step used (log axis), skipped steps marked with crosses; one line per
+    labelled run."""
     figure = _figure()
     axes = figure.add_subplot()
-    steps = [r.step for r in records]
-    axes.step(steps, [r.scale for r in records], where="post", color="#1f77b4", label="loss scale")
+    runs = by_label(records)
+    for label, run in runs.items():
+        steps, scales = scale_series(run)
+        name = "loss scale" if label is None else label
+        axes.step(steps, scales, where="post", label=name, color=None if label else "#1f77b4")
     skipped = [r for r in records if r.skipped]
     axes.scatter(
         [r.step for r in skipped],
@@ -162,8 +184,10 @@ def render_report(
 ) -> list[Path]:
     """Write the report's PNG files into ``out_dir`` (which must exist); returns their paths.
 
-    Always ``scale.png`` and ``skips.png``; with probe results also ``probe.png``, and
-    ``probe_modules.png`` when the last probe measured watched modules.
+    Always ``scale.png`` (every labelled run on one chart) and ``skips.png``; with probe
+    results also ``probe.png``, and ``probe_modules.png`` when the last probe found zero or
+    subnormal gradients in watched modules. A log of several labelled runs (the demo's) gets
+    the per-run charts once per label, named ``skips-LABEL.png`` and so on.
 
     Raises:
         ValueError: ``records`` is empty or ``window`` < 1.
@@ -174,14 +198,17 @@ def render_report(
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}.")
     out = Path(out_dir)
-    paths = [
-        plot_scale(records, out / "scale.png"),
-        plot_skips(records, out / "skips.png", window or default_window(len(records))),
-    ]
-    probes = [(r.step, r.probe) for r in records if r.probe is not None]
-    if probes:
-        paths.append(plot_probe(probes, out / "probe.png"))
-        step, last = probes[-1]
-        if last.modules:
-            paths.append(plot_modules(step, last, out / "probe_modules.png"))
+    paths = [plot_scale(records, out / "scale.png")]
+    runs = by_label(records)
+    for label, run in runs.items():
+        suffix = "" if len(runs) == 1 or label is None else f"-{label}"
+        paths.append(
+            plot_skips(run, out / f"skips{suffix}.png", window or default_window(len(run)))
+        )
+        probes = [(r.step, r.probe) for r in run if r.probe is not None]
+        if probes:
+            paths.append(plot_probe(probes, out / f"probe{suffix}.png"))
+            step, last = probes[-1]
+            if any(fraction > 0 for fraction in last.modules.values()):
+                paths.append(plot_modules(step, last, out / f"probe_modules{suffix}.png"))
     return paths

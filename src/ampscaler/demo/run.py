@@ -8,7 +8,7 @@
   10% of steps), ``skipped_steps``, ``final_scale`` (1.0 without a scaler), ``seconds`` and
   ``underflow`` (the probe's fractions, or ``null``);
 - ``steps.jsonl``: one :class:`~ampscaler.StepRecord` per arm and step, as a line of the step
-  log format (:mod:`ampscaler.observe.records`) with the arm's name under ``arm``: ``step``,
+  log format (:mod:`ampscaler.observe.records`) labelled with the arm's name: ``step``,
   ``loss``, ``lr``, ``skipped``, ``scale``, ``new_scale`` and, on probed steps, ``probe``;
 - ``loss.png``: the three loss curves on one chart; ``scale.png``: the scaled arm's loss scale
   over steps, skipped steps marked.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
@@ -125,6 +125,11 @@ def summary_table(outcome: DemoOutcome) -> str:
             f"{name:<17} {result.final_loss:>11.3e} {result.final_loss / fp32:>7.2f}x "
             f"{result.skipped_steps:>8d} {result.final_scale:>12g} {flushed:>24}"
         )
+    if outcome.results[FP32].underflow is not None:
+        lines.append(
+            "(fp32 flushes nothing; in brackets: the share of its activation gradients that "
+            "fp16 would flush to 0)"
+        )
     return "\n".join(lines)
 
 
@@ -167,7 +172,7 @@ def _progress(name: str, steps: int, enabled: bool) -> tuple[Callable[[StepRecor
 def _log_step(
     log: TextIO, arm_name: str, advance: Callable[[StepRecord], None], record: StepRecord
 ) -> None:
-    log.write(record.to_json_line(arm=arm_name) + "\n")
+    log.write(replace(record, label=arm_name).to_json_line() + "\n")
     advance(record)
 
 

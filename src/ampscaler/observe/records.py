@@ -13,8 +13,9 @@ something consumes records (a sink such as :class:`~ampscaler.StepHistory` or
 ``overflow`` is present on skipped steps, ``probe`` on probed ones (see
 :mod:`ampscaler.observe.probe`). ``loss`` and ``lr`` are written when a record carries them (the
 scaler's records do not; the demo's do). Non-finite numbers are written as the strings
-``"inf"``, ``"-inf"`` and ``"nan"`` so that every line is strict JSON. A line may hold other
-keys (the demo's log adds ``"arm"``); :func:`read_log` ignores them.
+``"inf"``, ``"-inf"`` and ``"nan"`` so that every line is strict JSON. ``label`` names the run
+a record belongs to when one log holds several (the demo's arms). A line may hold other keys;
+:func:`read_log` ignores them.
 
 :meth:`StepRecord.to_json_line` writes a line and :func:`read_log` reads a log back.
 
@@ -39,7 +40,7 @@ from ..errors import LogFormatError
 from .localize import OverflowReport
 from .probe import ProbeResult
 
-__all__ = ["FORMAT", "StepRecord", "read_log"]
+__all__ = ["FORMAT", "StepLog", "StepRecord", "load_log", "read_log"]
 
 FORMAT = "ampscaler.step/1"
 _FORMAT_FAMILY = FORMAT.split("/")[0] + "/"
@@ -61,6 +62,8 @@ class StepRecord:
         loss: the iteration's loss, when the code that made the record knows it (the scaler
             does not; the demo does).
         lr: the learning rate of the iteration, likewise.
+        label: which run of a comparison the record belongs to (the demo labels its three
+            arms); ``report`` draws the labels of one log side by side.
     """
 
     step: int
@@ -72,6 +75,7 @@ class StepRecord:
     probe: ProbeResult | None = None
     loss: float | None = None
     lr: float | None = None
+    label: str | None = None
 
     @property
     def grew(self) -> bool:
@@ -118,23 +122,17 @@ class StepRecord:
             data["loss"] = self.loss
         if self.lr is not None:
             data["lr"] = self.lr
+        if self.label is not None:
+            data["label"] = self.label
         return data
 
-    def to_json_line(self, **extra: Any) -> str:
+    def to_json_line(self) -> str:
         """The record as one line of the JSONL log, without the newline.
 
-        ``extra`` adds keys of the caller's own (``arm="fp32"``), written first; they must not
-        be the record's.
-
         Raises:
-            ValueError: an ``extra`` key is one of the record's, or the line would not be strict
-                JSON (a non-finite ``loss``, say).
+            ValueError: the line would not be strict JSON (a non-finite ``loss``, say).
         """
-        data = self.as_dict()
-        taken = sorted(extra.keys() & data.keys())
-        if taken:
-            raise ValueError(f"to_json_line(): {', '.join(taken)} are step record keys already.")
-        return json.dumps({**extra, **data}, allow_nan=False)
+        return json.dumps(self.as_dict(), allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepRecord:
@@ -154,14 +152,34 @@ class StepRecord:
             probe=None if probe is None else ProbeResult.from_dict(probe),
             loss=None if data.get("loss") is None else float(data["loss"]),
             lr=None if data.get("lr") is None else float(data["lr"]),
+            label=None if data.get("label") is None else str(data["label"]),
         )
+
+
+@dataclass(frozen=True)
+class StepLog:
+    """A step log as read: its records, and whether a last line cut short was left out."""
+
+    records: list[StepRecord]
+    cut_short: bool
 
 
 def read_log(path: str | Path) -> list[StepRecord]:
     """Read the step records of a JSONL log written by :class:`~ampscaler.JsonlSink`.
 
     Blank lines are ignored, and so is a last line cut short without its newline (a run killed
-    while writing).
+    while writing; :func:`load_log` says whether there was one).
+
+    Raises:
+        OSError: the file cannot be read.
+        LogFormatError: (a ``ValueError``) the file is empty or not an ampscaler step log; the
+            message names the first bad line.
+    """
+    return load_log(path).records
+
+
+def load_log(path: str | Path) -> StepLog:
+    """:func:`read_log`, also telling whether a last line cut short was left out.
 
     Raises:
         OSError: the file cannot be read.
@@ -178,6 +196,7 @@ def read_log(path: str | Path) -> list[StepRecord]:
         ) from error
     lines = text.split("\n")
     records = []
+    cut_short = False
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -185,7 +204,8 @@ def read_log(path: str | Path) -> list[StepRecord]:
             data = json.loads(line)
         except json.JSONDecodeError as error:
             if number == len(lines):
-                break  # the last line, cut short: the run stopped while writing it
+                cut_short = True  # the last line: the run stopped while writing it
+                break
             raise LogFormatError(
                 f"{path}, line {number}, is not JSON ({error.msg}); pass a JSONL log written by "
                 "ampscaler.JsonlSink."
@@ -196,7 +216,7 @@ def read_log(path: str | Path) -> list[StepRecord]:
             f"{path} holds no step records (it is empty); records are written at each "
             "scaler.update() once a JsonlSink is attached with scaler.add_sink()."
         )
-    return records
+    return StepLog(records, cut_short)
 
 
 def _parse(path: Path, number: int, data: object) -> StepRecord:
