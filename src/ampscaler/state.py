@@ -190,7 +190,10 @@ class LiveState:
     Args:
         policy: the policy whose initial budget fills ``hysteresis_left`` by default.
         device: where the state lives (the device of the first scaled tensor).
-        scale, growth_tracker, hysteresis_left, stats: the starting values.
+        scale: the starting scale.
+        growth_tracker: the starting growth tracker.
+        hysteresis_left: the starting hysteresis budget (``None``: the policy's full budget).
+        stats: the starting counters (``None``: all zero).
     """
 
     def __init__(
