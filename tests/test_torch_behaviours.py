@@ -487,7 +487,7 @@ def test_misuse_raises_torchs_exception_types(make: Factory) -> None:
 def test_misuse_messages_say_what_to_do() -> None:
     scaler, opt = _scaled_opt(ampscaler.GradScaler)
     with pytest.raises(RuntimeError, match="without a closure"):
-        scaler.step(opt, lambda: None)  # a positional closure is refused too
+        scaler.step(opt, closure=lambda: None)  # the keyword form is refused, as in torch
     with pytest.raises(AssertionError, match="scaler.scale\\(loss\\).backward\\(\\)"):
         ampscaler.GradScaler("cpu").step(opt)
     empty = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

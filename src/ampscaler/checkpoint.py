@@ -175,6 +175,7 @@ class CheckpointMethods:
     _last_found_inf: torch.Tensor | bool | None
     _saw: Callable[[float], None]  # tells the fused route the scale's value
     _set_policy: Callable[[Policy], None]
+    _init_scale: float
 
     def _host_state(self) -> HostState:
         """The state as Python values (a host sync once it lives on a device)."""
@@ -221,6 +222,7 @@ class CheckpointMethods:
         loaded = from_state_dict(state_dict, self._policy, self._max_consecutive_skips)
         self._set_policy(loaded.policy)
         self._max_consecutive_skips = loaded.max_consecutive_skips
+        self._init_scale = loaded.state.scale
         if isinstance(self._state, LiveState):
             self._state.settle()  # an update handed over under torch.compile: done before
             self._state.load(loaded.state)

@@ -4,13 +4,26 @@ Libraries and tests written against torch's scaler read a few of its private att
 are given the values and effects torch gives them here, apart from the front class, so the
 design of :class:`~ampscaler.GradScaler` stays readable. Each name, and who uses it:
 
-==========================  ====================================================================
-``_scale``                  the live scale tensor (``None`` before the first ``scale()``); torch's
-                            CUDA-graph tests and pickling test read it
-``_growth_tracker``         the live growth tracker tensor (``None`` before the first ``scale()``)
-``_get_scale_async()``      the scale tensor without a sync (Accelerate, torch's tests)
-``_get_growth_tracker()``   the growth tracker as an int (a host sync; torch's tests)
-==========================  ====================================================================
+- ``_scale``, ``_growth_tracker``: the live tensors (``None`` before the first ``scale()``);
+  torch's CUDA-graph tests and pickling test read them.
+- ``_get_scale_async()``: the scale tensor without a sync (Accelerate, torch's tests);
+  ``_get_growth_tracker()``: the growth tracker as an int (a host sync; torch's tests).
+- ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState,
+  "found_inf_per_device": {device: flag}}}`` for the iteration in progress, a new
+  ``defaultdict`` on each read (torch's tests, code that checks whether an optimizer was
+  unscaled). The flag is the optimizer's combined flag, on the scale's device.
+- ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
+- ``_check_inf_per_device(optimizer)``: checks without unscaling and records the flag, as
+  torch's deprecated ``grad_scaler=`` step protocol uses it.
+- ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``: torch's unscale-and-check,
+  per device (torch's tests).
+- ``_lazy_init_scale_growth_tracker(device)``: makes the live state on ``device``
+  (Accelerate's FSDP2 checkpoint loading calls it).
+- ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``: the dynamic rule's numbers,
+  readable and writable (Accelerate's ``GradScalerKwargs`` test reads them; writes are
+  validated as the setters' are).
+- ``_init_scale``: the scale given at construction or loaded from a checkpoint;
+  ``_enabled``: whether scaling is on.
 
 Torch's argument semantics live here too: which ``device`` values mean what (and that
 ``"cuda"`` without CUDA warns and disables the scaler), and the nested structures ``scale()``
@@ -25,19 +38,23 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState as TorchOptState
 
 from .errors import InvalidConfigError, ScalerUsageError
-from .grads.check import FusedRoute
+from .grads.check import FusedRoute, combined_flag, unscale_per_device_
+from .grads.collect import collect
 from .policy import Policy, ScalePolicy, float32_value
 from .state import HostState, LiveState
 
 __all__ = [
     "TorchPolicyMethods",
+    "TorchPrivateMethods",
     "TorchStateAccess",
     "device_and_enabled",
     "new_scale_value",
@@ -147,6 +164,30 @@ class TorchPolicyMethods:
         """Set the backoff factor (in (0, 1))."""
         self._set_rule("set_backoff_factor", backoff_factor=new_factor)
 
+    @property
+    def _growth_factor(self) -> float:
+        return self._rule().growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self._set_rule("_growth_factor", growth_factor=value)
+
+    @property
+    def _backoff_factor(self) -> float:
+        return self._rule().backoff_factor
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self._set_rule("_backoff_factor", backoff_factor=value)
+
+    @property
+    def _growth_interval(self) -> int:
+        return self._rule().growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self._set_rule("_growth_interval", growth_interval=value)
+
     def get_growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
         return self._rule().growth_interval
@@ -154,6 +195,65 @@ class TorchPolicyMethods:
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (>= 1)."""
         self._set_rule("set_growth_interval", growth_interval=new_interval)
+
+
+def _ready_state() -> dict[str, Any]:
+    return {"stage": TorchOptState.READY, "found_inf_per_device": {}}
+
+
+class TorchPrivateMethods:
+    """Mixin: torch's private per-optimizer bookkeeping and unscale helpers (module docstring)."""
+
+    _enabled: bool
+    _state: LiveState | HostState
+    _per_optimizer: dict[int, Any]  # the scaler's per-optimizer records (stage, found_inf)
+    _live: Callable[[torch.device], LiveState]
+    _record: Callable[[torch.optim.Optimizer, str], Any]
+
+    @property
+    def _per_optimizer_states(self) -> defaultdict[int, dict[str, Any]]:
+        states: defaultdict[int, dict[str, Any]] = defaultdict(_ready_state)
+        for key, record in self._per_optimizer.items():
+            found = record.found_inf
+            states[key] = {
+                "stage": TorchOptState[record.stage.name],
+                "found_inf_per_device": {} if found is None else {found.device: found},
+            }
+        return states
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
+        found: dict[torch.device, Any] = self._per_optimizer_states[id(optimizer)][
+            "found_inf_per_device"
+        ]
+        return found
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        # torch flags into copies of found_inf, one per device, and leaves found_inf as it was
+        groups = collect(optimizer, allow_fp16=allow_fp16)
+        return unscale_per_device_(groups, inv_scale, found_inf.clone())
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
+        state = self._state
+        if not isinstance(state, LiveState):
+            raise ScalerUsageError(
+                "_check_inf_per_device() before the scale was used: call "
+                "scaler.scale(loss).backward() first."
+            )
+        ones = torch.ones((), dtype=torch.float32, device=state.device)
+        flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
+        self._record(optimizer, "_check_inf_per_device").found_inf = combined_flag(
+            flags, state.device
+        )
+        return flags
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        self._live(torch.device(dev)).unused_scale = None
 
 
 def refuse_legacy_protocol(optimizer: torch.optim.Optimizer) -> None:
@@ -199,10 +299,9 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     Like torch, ``"cuda"`` on a machine without CUDA warns and disables the scaler.
 
     Raises:
-        InvalidConfigError: ``device`` is not a device, or ``enabled`` not a bool.
+        InvalidConfigError: ``device`` is not a device.
     """
-    if not isinstance(enabled, bool):
-        raise InvalidConfigError(f"enabled must be True or False, got {enabled!r}.")
+    enabled = bool(enabled)  # torch takes any truthy value (enabled=args.amp, numpy.bool_, 1)
     device_type = _device_type(device)
     if enabled and device_type == "cuda" and not torch.cuda.is_available():
         warnings.warn(

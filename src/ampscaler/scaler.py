@@ -28,6 +28,7 @@ import torch
 from .checkpoint import CheckpointMethods, check_skip_limit, policy_settings
 from .compat import (
     TorchPolicyMethods,
+    TorchPrivateMethods,
     TorchStateAccess,
     device_and_enabled,
     new_scale_value,
@@ -72,7 +73,9 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
-class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, CheckpointMethods):
+class GradScaler(
+    TorchStateAccess, TorchPolicyMethods, TorchPrivateMethods, ObserverMethods, CheckpointMethods
+):
     """Dynamic loss scaling for mixed-precision training; a drop-in ``torch.amp.GradScaler``.
 
     ``scale(loss)`` multiplies the loss by the scale ``S`` so that small fp16 gradients do not
@@ -169,7 +172,7 @@ class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, Checkpoi
             "min_scale": min_scale, "max_scale": max_scale,
         }  # fmt: skip
         self._policy = policy_from_arguments(policy, dynamic, rule)
-        scale = self._policy.check_scale("init_scale", init_scale)
+        scale = self._init_scale = self._policy.check_scale("init_scale", init_scale)
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
         if not isinstance(flat_grads, bool):
             raise InvalidConfigError(f"flat_grads must be True or False, got {flat_grads!r}.")
@@ -367,8 +370,9 @@ class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, Checkpoi
         the check traced into the compiled graph, with the clipping that usually follows.
 
         Raises:
-            RuntimeError: a ``closure`` (closures re-evaluate an unscaled loss, which the
-                scaler cannot check), or a second ``step()`` before ``update()``.
+            RuntimeError: a ``closure=`` keyword (closures re-evaluate an unscaled loss, which
+                the scaler cannot check; as in torch, a closure passed positionally goes to
+                ``optimizer.step``), or a second ``step()`` before ``update()``.
         """
         if torch.compiler.is_compiling():
             return self._eager_step(optimizer, *args, **kwargs)  # a graph break, on purpose
@@ -377,7 +381,7 @@ class GradScaler(TorchStateAccess, TorchPolicyMethods, ObserverMethods, Checkpoi
     def _step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs or (args and callable(args[0])):
+        if "closure" in kwargs:  # a positional closure goes to the optimizer, as in torch
             raise RuntimeError(
                 "Closure use is not currently supported if GradScaler is enabled: compute the "
                 "loss, call scaler.scale(loss).backward(), then scaler.step(optimizer) without "

@@ -33,7 +33,7 @@ from ..policy import Policy
 from .collect import GradGroups
 from .pow2 import Pow2Watch
 
-__all__ = ["FusedRoute", "check_and_unscale_"]
+__all__ = ["FusedRoute", "check_and_unscale_", "combined_flag", "unscale_per_device_"]
 
 # torch's fused optimizers, whose kernels divide each gradient by ``grad_scale`` (when given)
 # in float32/float64 arithmetic before using it, and touch ``grad_scale`` nowhere else.
@@ -45,6 +45,24 @@ _DIVIDING_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.o
 _WIDE_FLOATS = frozenset((torch.float32, torch.float64))
 
 
+def unscale_per_device_(
+    groups: GradGroups, inv_scale: torch.Tensor, found_inf: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
+    """Multiply every gradient in ``groups`` by ``inv_scale`` in place and flag inf/NaN into
+    ``found_inf`` (on its device; a copy of it on each other device). Returns the flag of each
+    device that held gradients, as torch's ``GradScaler._unscale_grads_`` does. No host sync.
+    """
+    flags: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for device, per_dtype in groups.items():
+            flag = found_inf if device == found_inf.device else found_inf.to(device, copy=True)
+            inv = inv_scale.to(device, non_blocking=True)
+            for grads in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+            flags[device] = flag
+    return flags
+
+
 def check_and_unscale_(
     groups: GradGroups, inv_scale: torch.Tensor, device: torch.device
 ) -> torch.Tensor | None:
@@ -52,19 +70,22 @@ def check_and_unscale_(
 
     Returns a float32 0-dim flag on ``device`` (the scale's), ``> 0`` iff a non-finite value
     was seen, or ``None`` when ``groups`` holds no gradient. Gradients on other devices are
-    checked there, with ``inv_scale`` copied over once, and their flags summed on ``device``.
-    No host sync.
+    checked there and their flags summed on ``device``. No host sync.
     """
-    found_inf: torch.Tensor | None = None
-    with torch.no_grad():
-        for grads_device, per_dtype in groups.items():
-            flag = torch.zeros((), dtype=torch.float32, device=grads_device)
-            inv = inv_scale.to(grads_device, non_blocking=True)
-            for grads in per_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    return combined_flag(unscale_per_device_(groups, inv_scale, found_inf), device)
+
+
+def combined_flag(
+    flags: dict[torch.device, torch.Tensor], device: torch.device
+) -> torch.Tensor | None:
+    """The per-device flags summed on ``device`` (``> 0`` iff any was set); ``None`` for none."""
+    combined: torch.Tensor | None = flags.get(device)
+    for flag_device, flag in flags.items():
+        if flag_device != device:
             flag = flag.to(device, non_blocking=True)
-            found_inf = flag if found_inf is None else found_inf + flag
-    return found_inf
+            combined = flag if combined is None else combined + flag
+    return combined
 
 
 class FusedRoute:

@@ -1,0 +1,146 @@
+"""torch's private names and argument semantics, side by side with torch.amp.GradScaler.
+
+Libraries reach for names torch's scaler has (Accelerate reads ``_growth_factor`` and calls
+``_lazy_init_scale_growth_tracker``; torch's own tests read ``_per_optimizer_states`` and call
+``_unscale_grads_``). Each must give what torch's gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import ampscaler
+
+BOTH = [torch.amp.GradScaler, ampscaler.GradScaler]
+
+
+def _model_and_opt(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _backward(scaler: Any, model: torch.nn.Module, poison: bool = False) -> None:
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    if poison:
+        model.bias.grad[0] = float("inf")
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_per_optimizer_states_after_unscale_and_step(poison: bool) -> None:
+    seen = []
+    for factory in BOTH:
+        model, opt = _model_and_opt()
+        scaler = factory("cpu")
+        _backward(scaler, model, poison)
+        assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
+        scaler.unscale_(opt)
+        state = scaler._per_optimizer_states[id(opt)]
+        flags = scaler._found_inf_per_device(opt)
+        seen.append((state["stage"].name, {d.type: float(f) for d, f in flags.items()}))
+        assert state["stage"] is torch.amp.grad_scaler.OptState.UNSCALED
+        scaler.step(opt)
+        assert scaler._per_optimizer_states[id(opt)]["stage"].name == "STEPPED"
+        scaler.update()
+        assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
+    assert seen[0] == seen[1]
+
+
+def test_unscale_grads_gives_torchs_flags_and_gradients() -> None:
+    results = []
+    for factory in BOTH:
+        model, opt = _model_and_opt()
+        scaler = factory("cpu", init_scale=4.0)
+        _backward(scaler, model, poison=True)
+        found = torch.zeros(())
+        flags = scaler._unscale_grads_(opt, torch.tensor(0.25), found, False)
+        results.append(([p.grad.clone() for p in model.parameters()], flags))
+        assert float(flags[torch.device("cpu")]) == 1.0 and float(found) == 0.0
+    for mine, theirs in zip(results[0][0], results[1][0], strict=True):
+        assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
+
+
+def test_check_inf_per_device_checks_without_unscaling() -> None:
+    for factory in BOTH:
+        model, opt = _model_and_opt()
+        scaler = factory("cpu", init_scale=4.0)
+        _backward(scaler, model, poison=True)
+        before = model.weight.grad.clone()
+        flags = scaler._check_inf_per_device(opt)
+        assert float(flags[torch.device("cpu")]) == 1.0
+        assert torch.equal(model.weight.grad, before)
+        assert float(next(iter(scaler._found_inf_per_device(opt).values()))) == 1.0
+
+
+def test_lazy_init_makes_the_state_on_the_device() -> None:
+    for factory in BOTH:
+        scaler = factory(init_scale=8.0)  # no device yet (ours) / "cuda" default (torch)
+        if not scaler.is_enabled():
+            scaler = factory("cpu", init_scale=8.0)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        assert scaler._scale is not None and scaler._scale.device.type == "cpu"
+        assert scaler._scale.item() == 8.0 and scaler.get_scale() == 8.0
+
+
+def test_rule_attributes_read_and_write_like_torchs() -> None:
+    for factory in BOTH:
+        scaler = factory("cpu", growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+        assert (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval) == (
+            4.0, 0.25, 7,
+        )
+        scaler._growth_factor = 3.0
+        assert scaler.get_growth_factor() == 3.0
+        assert scaler._init_scale == 2.0**16 and scaler._enabled is True
+    ours = ampscaler.GradScaler("cpu")
+    with pytest.raises(ValueError, match="growth_factor"):
+        ours._growth_factor = 0.5  # validated as set_growth_factor() is
+
+
+def test_init_scale_follows_a_loaded_checkpoint() -> None:
+    for factory in BOTH:
+        scaler = factory("cpu")
+        scaler.load_state_dict({**factory("cpu", init_scale=32.0).state_dict()})
+        assert scaler._init_scale == 32.0
+
+
+@pytest.mark.parametrize("value", [1, 0, np.bool_(True), "yes", ""])
+def test_enabled_takes_any_truthy_value_like_torch(value: object) -> None:
+    ours = ampscaler.GradScaler("cpu", enabled=value)  # type: ignore[arg-type]
+    theirs = torch.amp.GradScaler("cpu", enabled=value)  # type: ignore[arg-type]
+    assert ours.is_enabled() is bool(value) and bool(theirs.is_enabled()) is bool(value)
+    assert ours.scale(torch.tensor(1.0)).item() == theirs.scale(torch.tensor(1.0)).item()
+
+
+def _lbfgs_with_positional_closure(factory: Any) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    scaler = factory("cpu", init_scale=1.0)
+    inputs = torch.randn(8, 3)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(inputs).pow(2).mean()
+        loss.backward()
+        return loss
+
+    scaler.scale(model(inputs).pow(2).mean()).backward()
+    scaler.step(opt, closure)
+    scaler.update()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_positional_closure_goes_to_the_optimizer_like_torchs() -> None:
+    """scaler.step(lbfgs, closure): torch runs the closure through optimizer.step."""
+    ours, theirs = (_lbfgs_with_positional_closure(factory) for factory in BOTH[::-1])
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(ours, _untrained(), strict=True))
+
+
+def _untrained() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [p.detach().clone() for p in torch.nn.Linear(3, 1).parameters()]
