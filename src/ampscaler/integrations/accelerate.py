@@ -16,7 +16,7 @@ autocast, and trains in float32. :func:`use_scaler` also turns on Accelerate's n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidConfigError, ScalerUsageError
 from ..scaler import GradScaler
@@ -48,9 +48,11 @@ def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> Gr
     ``save_state``/``load_state`` (the full state, counters included) and
     ``AcceleratedScheduler``'s rule of not stepping after a skipped optimizer step. That rule
     reads ``optimizer.step_was_skipped``, which Accelerate computes by watching whether
-    ``optimizer.step`` ran; optimizers that skip inside their fused kernel (``fused=True``) always
-    run it, so for them use :attr:`~ampscaler.GradScaler.last_step_skipped` instead. This is
-    Accelerate's behaviour with torch's scaler too.
+    ``optimizer.step`` ran. Optimizers that skip inside their fused kernel (``fused=True``)
+    always run it, so with torch's scaler Accelerate never sees their skips and the schedule
+    advances anyway (accelerate#4242). Optimizers prepared after :func:`use_scaler` report them:
+    after each step of a fused optimizer, ``step_was_skipped`` is the scaler's
+    :attr:`~ampscaler.GradScaler.last_step_skipped` (reading it is one host sync per step).
 
     Example:
         >>> import torch
@@ -108,4 +110,28 @@ def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> Gr
         )
     accelerator.scaler = scaler
     accelerator.native_amp = True
+    prepare_optimizer = accelerator.prepare_optimizer
+
+    def prepare_reporting_kernel_skips(optimizer: Any, device_placement: Any = None) -> Any:
+        prepared = prepare_optimizer(optimizer, device_placement=device_placement)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            _report_kernel_skips(prepared, scaler)
+        return prepared
+
+    accelerator.prepare_optimizer = prepare_reporting_kernel_skips
     return scaler
+
+
+def _report_kernel_skips(prepared: Any, scaler: GradScaler) -> None:
+    """Make an ``AcceleratedOptimizer`` of a fused optimizer report the skips its kernel makes
+    (Accelerate infers ``step_was_skipped`` from whether ``optimizer.step`` ran, which a fused
+    optimizer always does)."""
+    step = prepared.step
+
+    def step_and_report(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        if prepared.gradient_state.sync_gradients:  # a real step, not an accumulation one
+            prepared._is_overflow = scaler.last_step_skipped
+        return result
+
+    prepared.step = step_and_report
