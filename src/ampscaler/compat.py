@@ -204,7 +204,6 @@ def _ready_state() -> dict[str, Any]:
 class TorchPrivateMethods:
     """Mixin: torch's private per-optimizer bookkeeping and unscale helpers (module docstring)."""
 
-    _enabled: bool
     _state: LiveState | HostState
     _per_optimizer: dict[int, Any]  # the scaler's per-optimizer records (stage, found_inf)
     _live: Callable[[torch.device], LiveState]
