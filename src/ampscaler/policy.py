@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -326,10 +326,7 @@ def initial_state(
     )
 
 
-_RULE_DEFAULTS = {
-    "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
-    "hysteresis": 1, "min_scale": None, "max_scale": None,
-}  # fmt: skip
+_RULE_DEFAULTS = {rule.name: rule.default for rule in fields(ScalePolicy)}
 
 
 def policy_from_arguments(policy: object, dynamic: object, rule: dict[str, Any]) -> Policy:
