@@ -24,8 +24,8 @@ Example:
     (8.0, 4.0)
     >>> ref.update(overflow=False).scale, ref.update(overflow=False).scale
     (4.0, 8.0)
-    >>> ref.stats
-    {'steps': 4, 'skipped': 2, 'growths': 1, 'backoffs': 1, 'consecutive_skips': 0}
+    >>> ref.stats["steps"], ref.stats["skipped"], ref.stats["growths"], ref.stats["backoffs"]
+    (4, 2, 1, 1)
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Reference:
         self.scale = f32(self.init_scale)
         self.budget = self.config.hysteresis
         self.stats = dict.fromkeys(
-            ("steps", "skipped", "growths", "backoffs", "consecutive_skips"), 0
+            ("steps", "skipped", "growths", "backoffs", "consecutive_skips", "spike_skips"), 0
         )
 
     def adjust(self, overflow: bool) -> None:

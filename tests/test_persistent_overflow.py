@@ -78,8 +78,11 @@ def test_message_names_watched_parameters_and_says_inf(fused: bool) -> None:
     )
     assert "body.weight (inf), head.bias (inf)" in message
     assert "held NaN" not in message and "bug in the model" not in message
-    for hint in ("lower learning rate", "clipping", "bfloat16"):
+    # The loss was finite: the advice is the one for overflowing gradients.
+    assert raised.value.cause == "gradients"
+    for hint in ("init_scale", "min_scale", "lower the learning rate", "clip", "bfloat16"):
         assert hint in message
+    assert "cannot help" not in message
 
 
 def test_message_for_nan_points_at_a_model_bug() -> None:

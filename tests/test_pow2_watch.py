@@ -4,6 +4,8 @@ so whenever that holds and the policy keeps powers of two."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -101,9 +103,9 @@ def test_renewals_read_the_scale_only_when_the_bound_runs_low() -> None:
     reads: list[float] = []
 
     class CountingScale(torch.Tensor):
-        def __float__(self) -> float:
+        def tolist(self) -> Any:
             reads.append(1.0)
-            return super().__float__()
+            return super().tolist()
 
     policy = ScalePolicy(growth_interval=1)
     watch = Pow2Watch(policy, CPU)

@@ -8,7 +8,8 @@ inside ``optimizer.step`` itself are not the scaler's and are not counted. Torch
 the same way, gives the same counts. On a GPU, CUDA's sync debug mode must stay silent.
 
 Long runs on the fused path read the scale once every 80 or so updates, to renew what the
-scaler knows about it (``ampscaler.pow2``): on the CPU a plain read of host memory, on CUDA a
+scaler knows about it (``ampscaler.pow2``), and the counters once every 100, to watch for a
+collapse (``ampscaler.observe.collapse``): on the CPU a plain read of host memory, on CUDA a
 non-blocking copy polled with an event, so still no sync.
 """
 
@@ -131,14 +132,22 @@ def test_long_fused_runs_read_the_scale_only_every_eighty_or_so_updates(
     opt.step = counter.not_counting(opt.step)  # type: ignore[method-assign]
     scaler = ampscaler.GradScaler("cpu", growth_interval=1)
     steps = 400
-    with counter.counting():
-        for step in range(steps):
-            loss = model(torch.ones(2, 4)).sum() * (float("inf") if step % 2 else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=False)
-    assert 1 <= counter.count <= steps // 80
+
+    def reads_in_a_run() -> int:
+        counter.count = 0
+        with counter.counting():
+            for step in range(steps):
+                loss = model(torch.ones(2, 4)).sum() * (float("inf") if step % 2 else 1.0)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=False)
+        return counter.count
+
+    # The pow2 watch's renewals, and the collapse watch's look at the counters every window.
+    assert 1 <= reads_in_a_run() <= steps // 80 + steps // ampscaler.CollapseWatch().window
+    scaler.attach(ampscaler.CollapseWatch(scale_drop=None, skip_rate=None))  # watches nothing
+    assert 1 <= reads_in_a_run() <= steps // 80
 
 
 def test_the_counter_sees_a_sync() -> None:

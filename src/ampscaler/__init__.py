@@ -16,7 +16,9 @@ from .errors import (
     ScalerUsageError,
     SinkError,
 )
+from .guards import SpikeGuard
 from .master import MasterWeightOptimizer
+from .observe.collapse import CollapseAlert, CollapseWatch
 from .observe.localize import NonFiniteTracer, OverflowReport
 from .observe.probe import GradientProbe, ProbeResult
 from .observe.records import StepRecord, read_log
@@ -26,6 +28,8 @@ from .scaler import GradScaler, OptState
 from .state import ScalerStats
 
 __all__ = [
+    "CollapseAlert",
+    "CollapseWatch",
     "GradScaler",
     "GradientProbe",
     "InvalidConfigError",
@@ -45,6 +49,7 @@ __all__ = [
     "ScalerUsageError",
     "Sink",
     "SinkError",
+    "SpikeGuard",
     "StaticPolicy",
     "StepHistory",
     "StepRecord",

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidConfigError, InvalidStateDictError, ScalerUsageError
+from .observe.api import StepOutcome
 from .policy import Policy, ScalePolicy, StaticPolicy, float32_value
 from .state import HostState, LiveState, ScalerStats
 
@@ -172,7 +174,8 @@ class CheckpointMethods:
     _max_consecutive_skips: int | None
     _state: LiveState | HostState
     _per_optimizer: dict[int, Any]
-    _last_found_inf: torch.Tensor | bool | None
+    _last_outcome: StepOutcome | None
+    _outcomes: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepOutcome]
     _saw: Callable[[float], None]  # tells the fused route the scale's value
     _set_policy: Callable[[Policy], None]
     _init_scale: float
@@ -240,10 +243,12 @@ class CheckpointMethods:
                 )
             state["_state"] = self._host_state()
             state["_route"] = None
-            found = self._last_found_inf
-            skipped = found.item() if isinstance(found, torch.Tensor) else found
-            state["_last_found_inf"] = bool(skipped)
+            outcome = self._last_outcome
+            state["_last_outcome"] = None if outcome is None else outcome.settled()
+        # Which optimizers skipped belongs to this object: a copy steps its own optimizers.
+        state["_outcomes"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._outcomes = weakref.WeakKeyDictionary()

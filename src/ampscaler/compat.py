@@ -312,8 +312,13 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     return device_type, enabled
 
 
-def scale_nested(outputs: object, scale_on: Callable[[torch.device], torch.Tensor]) -> Any:
-    """Every tensor in nested lists/tuples/iterables multiplied by ``scale_on(its device)``.
+def scale_nested(
+    outputs: object,
+    scale_on: Callable[[torch.device], torch.Tensor],
+    seen: Callable[[torch.Tensor], None],
+) -> Any:
+    """Every tensor in nested lists/tuples/iterables multiplied by ``scale_on(its device)``,
+    each passed to ``seen`` first.
 
     Lists and tuples come back as the same type; other iterables as a lazy iterator (as in
     torch). The scale is fetched once per device.
@@ -325,6 +330,7 @@ def scale_nested(outputs: object, scale_on: Callable[[torch.device], torch.Tenso
 
     def scaled(value: object) -> Any:
         if isinstance(value, torch.Tensor):
+            seen(value)
             scale = per_device.get(value.device)
             if scale is None:
                 scale = per_device[value.device] = scale_on(value.device)

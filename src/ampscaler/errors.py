@@ -52,8 +52,15 @@ class PersistentOverflowError(RuntimeError):
     Skipping forever is the failure mode this replaces: training that looks alive while no
     parameter moves. The message says how many steps were skipped, the current scale, whether
     the gradients held inf or NaN, which parameters were affected when known, and what usually
-    helps.
+    helps for the cause of the latest skip (:attr:`OverflowReport.cause
+    <ampscaler.OverflowReport.cause>`): a loss already inf/NaN before scaling, or gradients that
+    overflowed.
+
+    Attributes:
+        cause: the latest skip's cause, ``"loss"`` or ``"gradients"`` (``None``: unknown).
     """
+
+    cause: str | None = None
 
     @classmethod
     def after(
@@ -72,13 +79,35 @@ class PersistentOverflowError(RuntimeError):
             else ""
         )
         where = f" Affected: {report}." if report is not None and report.names else ""
-        return cls(
+        cause = None if report is None else report.cause
+        error = cls(
             f"{in_a_row} optimizer steps in a row were skipped because the gradients held "
             f"{held} (max_consecutive_skips={limit}); the scale is now {scale:g}.{where}"
-            f"{nan_hint} What usually helps: a lower learning rate or warm-up, gradient "
-            "clipping after scaler.unscale_(), checking the loss for inf/NaN before backward(), "
-            "or training in bfloat16, whose range needs no scaling."
+            f"{nan_hint} {_ADVICE[cause]}"
         )
+        error.cause = cause
+        return error
+
+
+_ADVICE = {
+    "loss": (
+        "The loss itself was already inf/NaN before it was scaled, so lowering the scale cannot "
+        "help: check the inputs for inf/NaN, look for activations that exceed float16's 65504 "
+        "(attention logits, large residuals: keep them in float32 or rescale them), or lower "
+        "the learning rate if the loss diverged."
+    ),
+    "gradients": (
+        "The loss was finite and the scaled gradients overflowed: start lower (init_scale) or "
+        "keep the scale from falling further (min_scale), and lower the learning rate or clip "
+        "gradients after scaler.unscale_() if the gradients themselves grow; bfloat16 needs "
+        "no scaling at all."
+    ),
+    None: (
+        "What usually helps: a lower learning rate or warm-up, gradient clipping after "
+        "scaler.unscale_(), checking the loss for inf/NaN before backward(), or training in "
+        "bfloat16, whose range needs no scaling."
+    ),
+}
 
 
 class SinkError(OSError):

@@ -19,9 +19,11 @@ One step, as data, and who does each part (see docs/design.md)::
 from __future__ import annotations
 
 import enum
+import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -40,13 +42,21 @@ from .errors import InvalidConfigError, PersistentOverflowError, ScalerUsageErro
 from .grads.check import FusedRoute, check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
+from .guards import Guard, GuardSet
 from .master import MasterWeightOptimizer
-from .observe.api import ObserverMethods
+from .observe.api import ObserverMethods, StepOutcome
 from .observe.monitor import Monitor
 from .policy import Policy, policy_from_arguments
 from .state import HostState, LiveState
 
 __all__ = ["GradScaler", "OptState"]
+
+GuardT = TypeVar("GuardT", bound=Guard)
+
+BF16_MESSAGE = (
+    "ampscaler: {what} bfloat16, whose range is float32's: bfloat16 needs no loss scaling. "
+    "Turn the scaler off with GradScaler(enabled=False) (or drop it); it only costs time here."
+)
 
 
 class OptState(enum.Enum):
@@ -66,6 +76,20 @@ class _OptimizerRecord:
     # None before the check, or when the optimizer held no gradient.
     found_inf: torch.Tensor | None = None
     local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
+    # The guards' verdict (0-dim float, > 0: skip although finite); None without guards.
+    spike: torch.Tensor | None = None
+
+    def skip_flag(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """The flag the step is decided by: ``found_inf``, or the guards' verdict with it."""
+        return found_inf if self.spike is None else torch.maximum(found_inf, self.spike)
+
+
+def _sum(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flags added up (``None`` for none): > 0 iff any of them is."""
+    total = None
+    for flag in flags:
+        total = flag if total is None else total + flag
+    return total
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -182,7 +206,12 @@ class GradScaler(
         self._route: FusedRoute | None = None  # created with the live state
         self._per_optimizer: dict[int, _OptimizerRecord] = {}
         self._planner = GradPlanner() if flat_grads else None
-        self._last_found_inf: torch.Tensor | bool | None = None
+        self._guards = GuardSet()
+        self._last_outcome: StepOutcome | None = None
+        self._outcomes: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepOutcome] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._warned_bf16 = False
         self._monitor = Monitor(enabled=self._enabled)
         self._agreement = None if process_group is None else RankAgreement(process_group)
         self._attach_shorthands(history_size, probe_every, trace_nonfinite)
@@ -263,10 +292,28 @@ class GradScaler(
         """
         if not self._enabled:
             return outputs
+        if not (self._warned_bf16 or torch.compiler.is_compiling()):
+            device = outputs.device.type if isinstance(outputs, torch.Tensor) else self._device
+            self._warn_if_bf16_autocast(device or "cuda")
         if isinstance(outputs, torch.Tensor):
+            self._monitor.note_loss(outputs)
             return outputs * self._scale_on(outputs.device)
-        scaled: Iterable[torch.Tensor] = scale_nested(outputs, self._scale_on)
+        scaled: Iterable[torch.Tensor] = scale_nested(
+            outputs, self._scale_on, self._monitor.note_loss
+        )
         return scaled
+
+    def _warn_if_bf16_autocast(self, device_type: str) -> None:
+        if (
+            device_type in ("cpu", "cuda", "xpu")
+            and torch.is_autocast_enabled(device_type)
+            and torch.get_autocast_dtype(device_type) == torch.bfloat16
+        ):
+            self._warn_bf16("scale() was called inside an autocast region of")
+
+    def _warn_bf16(self, what: str) -> None:
+        self._warned_bf16 = True
+        warnings.warn(BF16_MESSAGE.format(what=what), UserWarning, stacklevel=4)
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         live = self._live(device)
@@ -325,8 +372,14 @@ class GradScaler(
         self._monitor.before_check(optimizer, state.scale)
         local = self._agreement is not None  # then this scaler reduces the flag itself
         if self._planner is not None:
-            return self._planner.groups(optimizer, allow_fp16, local)
-        return collect(optimizer, allow_fp16=allow_fp16, local=local)
+            groups = self._planner.groups(optimizer, allow_fp16, local)
+        else:
+            groups = collect(optimizer, allow_fp16=allow_fp16, local=local)
+        if not (self._warned_bf16 or torch.compiler.is_compiling()):
+            dtypes = {dtype for per_dtype in groups.values() for dtype in per_dtype}
+            if dtypes == {torch.bfloat16}:
+                self._warn_bf16("every gradient of this optimizer is")
+        return groups
 
     def _check(
         self,
@@ -338,6 +391,11 @@ class GradScaler(
         """Multiply the gradients in ``groups`` by ``multiplier``, flag inf/NaN in ``record``,
         and start agreeing on the flag across ranks. No host sync."""
         found_inf = check_and_unscale_(groups, multiplier, state.device)
+        if self._guards:
+            group = None if self._agreement is None else self._agreement.group
+            record.spike = self._guards.check(
+                record.optimizer, groups, multiplier * state.scale, self._monitor.loss(), group
+            )
         if self._agreement is not None:
             record.local_found_inf, found_inf = self._agreement.agree(
                 found_inf, state.device, self._settings
@@ -421,14 +479,21 @@ class GradScaler(
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
+        skip = record.skip_flag(found_inf)
         if self._agreement is not None:  # the group's verdict, and who overflowed
-            skipped, ranks = self._agreement.decide(record.local_found_inf, found_inf)
+            skipped, ranks = self._agreement.decide(record.local_found_inf, skip)
         else:
-            skipped = bool(found_inf.item())
-        self._last_found_inf = skipped
+            skipped = bool(skip.item())
+        # Only a skipped step with a guard needs to know which flag it was: a second read.
+        nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
+        self._outcome(optimizer, StepOutcome(nonfinite, skipped and not nonfinite))
         record.stage = OptState.STEPPED
-        self._monitor.note_step(optimizer, skipped, state.scale, state.counters, ranks)
+        self._monitor.note_step(optimizer, nonfinite, state.scale, state.counters, ranks)
         return None if skipped else optimizer.step(*args, **kwargs)
+
+    def _outcome(self, optimizer: torch.optim.Optimizer, outcome: StepOutcome) -> None:
+        self._last_outcome = outcome
+        self._outcomes[optimizer] = outcome
 
     def _fused_step(
         self,
@@ -449,9 +514,9 @@ class GradScaler(
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
-        retval = step_fused(optimizer, grad_scale, found_inf, args, kwargs)
+        retval = step_fused(optimizer, grad_scale, record.skip_flag(found_inf), args, kwargs)
         record.stage = OptState.STEPPED
-        self._last_found_inf = found_inf
+        self._outcome(optimizer, StepOutcome(found_inf, record.spike))
         self._monitor.note_step(optimizer, found_inf, state.scale, state.counters)
         return retval
 
@@ -495,12 +560,11 @@ class GradScaler(
             self._end_iteration(flags[0], state.scale, state)
             return
         state.settle()  # an earlier update handed over under torch.compile comes first
-        found_inf = None  # the sum of the optimizers' flags (> 0 iff any overflowed)
-        for flag in flags:
-            found_inf = flag if found_inf is None else found_inf + flag
+        found_inf = _sum(flags)  # > 0 iff any optimizer overflowed
+        spiked = _sum([r.spike for r in self._per_optimizer.values() if r.spike is not None])
         if new_scale is not None:
             value = new_scale_value(new_scale, self._policy)
-            old_scale = state.set_scale(value, found_inf)
+            old_scale = state.set_scale(value, found_inf, spiked)
             self._saw(value)
         elif found_inf is None:
             raise ScalerUsageError(
@@ -508,12 +572,14 @@ class GradScaler(
                 "for every optimizer of the iteration before scaler.update()."
             )
         else:
-            old_scale = state.advance(self._policy, found_inf)
+            old_scale = state.advance(self._policy, found_inf, spiked)
             self._moved_by_policy()
         if found_inf is None:
             self._per_optimizer = {}
             return
-        self._end_iteration(found_inf, old_scale, state)
+        if spiked is not None:
+            self._guards.end_iteration((found_inf + spiked) > 0)
+        self._end_iteration(found_inf, old_scale, state, spiked)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(state, self._max_consecutive_skips)
 
@@ -525,6 +591,7 @@ class GradScaler(
             torch.compiler.is_compiling()
             and self._max_consecutive_skips is None
             and not self._monitor.consuming
+            and not self._guards
         )
 
     def _moved_by_policy(self) -> None:
@@ -532,10 +599,14 @@ class GradScaler(
         self._route.updated()
 
     def _end_iteration(
-        self, found_inf: torch.Tensor, old_scale: torch.Tensor, state: LiveState
+        self,
+        found_inf: torch.Tensor,
+        old_scale: torch.Tensor,
+        state: LiveState,
+        spiked: torch.Tensor | None = None,
     ) -> None:
         self._per_optimizer = {}
-        self._monitor.after_update(found_inf, old_scale, state.scale, state.counters)
+        self._monitor.after_update(found_inf, old_scale, state.scale, state.counters, spiked)
 
     def _check_persistent_overflow(self, state: LiveState, limit: int) -> None:
         in_a_row = int(state.counters.consecutive_skips.item())
@@ -547,6 +618,28 @@ class GradScaler(
     def is_enabled(self) -> bool:
         """Whether scaling is on."""
         return self._enabled
+
+    def add_guard(self, guard: GuardT) -> GuardT:
+        """Add a skip rule beyond inf/NaN (a :class:`~ampscaler.SpikeGuard`, or anything with
+        the :class:`~ampscaler.guards.Guard` protocol); returns it.
+
+        From the next ``step()`` on, each optimizer's step is also skipped when a guard says
+        so; the scale does not back off for it. The verdict stays on the device (a fused
+        optimizer's kernel gets it with the inf flag), so no host sync is added; with a guard,
+        ``update()`` under ``torch.compile`` runs in the compiled graph instead of being
+        handed to the next ``scale()``. See :mod:`ampscaler.guards`.
+
+        Example:
+            >>> import ampscaler
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> scaler.add_guard(ampscaler.SpikeGuard(sigma=6.0, window=128))
+            SpikeGuard(sigma=6.0, window=128, warmup=128)
+
+        Raises:
+            TypeError: not a guard. ValueError: added already.
+        """
+        self._guards.add(guard)
+        return guard
 
     # ------------------------------------------------------------------ configuration
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -48,6 +48,9 @@ class ScalerStats:
         growths: updates that raised the scale.
         backoffs: updates that lowered the scale.
         consecutive_skips: skipped iterations in a row, up to the latest one (0 after a clean one).
+        spike_skips: iterations whose gradients were finite but that a guard skipped (a
+            :class:`~ampscaler.SpikeGuard`); not in ``skipped``, since the scale was not the
+            problem and did not back off.
     """
 
     steps: int = 0
@@ -55,6 +58,7 @@ class ScalerStats:
     growths: int = 0
     backoffs: int = 0
     consecutive_skips: int = 0
+    spike_skips: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict, as stored in ``state_dict()["stats"]``."""
@@ -77,49 +81,72 @@ class StepCounters:
         >>> counters.record(torch.tensor(0.0), torch.tensor(1.0))   # clean, grew from 1 to 2
         >>> counters.record(torch.tensor(1.0), scale.clone()); _ = scale.fill_(1.0)  # backed off
         >>> counters.stats()
-        ScalerStats(steps=2, skipped=1, growths=1, backoffs=1, consecutive_skips=1)
+        ScalerStats(steps=2, skipped=1, growths=1, backoffs=1, consecutive_skips=1, spike_skips=0)
     """
 
     def __init__(self, scale: torch.Tensor, stats: ScalerStats | None = None) -> None:
         self._scale = scale
-        self._values = torch.zeros(5, dtype=torch.int64, device=scale.device)
+        self._values = torch.zeros(len(fields(ScalerStats)), dtype=torch.int64, device=scale.device)
         self._found: list[torch.Tensor] = []
+        self._spiked: list[torch.Tensor] = []
         self._old: list[torch.Tensor] = []
         self.reset(stats or ScalerStats())
 
     def reset(self, stats: ScalerStats) -> None:
         """Start again from ``stats`` (in place; forgets iterations not yet folded)."""
-        self._found, self._old = [], []
+        self._found, self._spiked, self._old = [], [], []
         values = list(asdict(stats).values())
         self._values.copy_(torch.tensor(values, dtype=torch.int64))
 
-    def record(self, found_inf: torch.Tensor, old_scale: torch.Tensor) -> None:
-        """Count one iteration: it overflowed iff ``found_inf > 0``; it started at
-        ``old_scale`` (a copy nobody modifies) and ended at the live scale's value now. A NaN
-        ``found_inf`` stands for no iteration and is not counted.
+    def record(
+        self,
+        found_inf: torch.Tensor,
+        old_scale: torch.Tensor,
+        spiked: torch.Tensor | None = None,
+    ) -> None:
+        """Count one iteration: it overflowed iff ``found_inf > 0``; a guard skipped it iff
+        ``spiked > 0`` (``None``: no guard); it started at ``old_scale`` (a copy nobody
+        modifies) and ended at the live scale's value now. A NaN ``found_inf`` stands for no
+        iteration and is not counted.
 
         Eagerly the iteration is kept for a later fold; under ``torch.compile`` it is counted
         at once, in place, so the compiled graph holds no growing list (and its guards never
         change with the step number).
         """
+        if spiked is None:
+            spiked = torch.zeros_like(found_inf)
         if torch.compiler.is_compiling():
-            self.count_now(found_inf, old_scale)
+            self.count_now(found_inf, old_scale, spiked)
             return
         self._found.append(found_inf)
+        self._spiked.append(spiked)
         self._old.append(old_scale)
         if len(self._found) >= FOLD_EVERY:
             self._fold()
 
-    def count_now(self, found_inf: torch.Tensor, old_scale: torch.Tensor) -> None:
+    def count_now(
+        self,
+        found_inf: torch.Tensor,
+        old_scale: torch.Tensor,
+        spiked: torch.Tensor | None = None,
+    ) -> None:
         """:meth:`record`, counted at once in place: nothing is kept for later."""
         self._fold()
-        self._count(found_inf.reshape(1), old_scale.reshape(1))
+        if spiked is None:
+            spiked = torch.zeros_like(found_inf)
+        self._count(found_inf.reshape(1), spiked.reshape(1), old_scale.reshape(1))
 
     @property
     def steps(self) -> torch.Tensor:
         """Iterations counted so far, a 0-dim int64 tensor on the device (no sync)."""
         self._fold()
         return self._values[0]
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """Iterations skipped for inf/NaN so far, a 0-dim int64 tensor (no sync)."""
+        self._fold()
+        return self._values[1]
 
     @property
     def consecutive_skips(self) -> torch.Tensor:
@@ -134,13 +161,16 @@ class StepCounters:
 
     def _fold(self) -> None:
         if self._found:
-            found = torch.stack([flag.to(self._values.device) for flag in self._found])
-            self._count(found, torch.stack(self._old))
-            self._found, self._old = [], []
+            device = self._values.device
+            found = torch.stack([flag.to(device) for flag in self._found])
+            spiked = torch.stack([flag.to(device) for flag in self._spiked])
+            self._count(found, spiked, torch.stack(self._old))
+            self._found, self._spiked, self._old = [], [], []
 
-    def _count(self, found: torch.Tensor, old: torch.Tensor) -> None:
-        """Add iterations with inf flags ``found`` that started at scales ``old`` (1-dim, in
-        order; the last one ended at the live scale), in place. NaN flags are not counted."""
+    def _count(self, found: torch.Tensor, spiked: torch.Tensor, old: torch.Tensor) -> None:
+        """Add iterations with inf flags ``found`` and guard flags ``spiked`` that started at
+        scales ``old`` (1-dim, in order; the last one ended at the live scale), in place. NaN
+        flags are not counted."""
         counted = ~torch.isnan(found)
         count = counted.sum()
         overflow = found > 0
@@ -148,7 +178,7 @@ class StepCounters:
         new = torch.cat((old[1:], self._scale.reshape(1)))
         # The overflows at the end, in a row: 1s of the reversed flags up to their first 0.
         trailing = overflow.flip(0).to(torch.int64).cumprod(0).sum()
-        steps, skipped, growths, backoffs, in_a_row = self._values.unbind()
+        steps, skipped, growths, backoffs, in_a_row, spikes = self._values.unbind()
         self._values.copy_(
             torch.stack(
                 (
@@ -157,6 +187,7 @@ class StepCounters:
                     growths + ((new > old) & counted).sum(),
                     backoffs + ((new < old) & counted).sum(),
                     trailing + in_a_row * (trailing == count),
+                    spikes + ((spiked > 0) & ~overflow & counted).sum(),
                 )
             )
         )
@@ -240,14 +271,17 @@ class LiveState:
             scale = self.unused_scale
         return HostState(scale, int(tracker), int(budget), self.counters.stats())
 
-    def advance(self, policy: Policy, found_inf: torch.Tensor) -> torch.Tensor:
-        """One iteration ended with ``found_inf``: move the state by ``policy``, count it.
+    def advance(
+        self, policy: Policy, found_inf: torch.Tensor, spiked: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
+        does not see): move the state by ``policy``, count it.
 
         Returns a copy of the scale the iteration started from. No host sync.
         """
         old = self.scale.clone()
         policy.update_(self.tensors, found_inf)
-        self.counters.record(found_inf, old)
+        self.counters.record(found_inf, old, spiked)
         return old
 
     def _nothing(self) -> torch.Tensor:
@@ -286,13 +320,18 @@ class LiveState:
         self._pending = (self._nothing(),)
         self.deferred = False
 
-    def set_scale(self, value: float, found_inf: torch.Tensor | None) -> torch.Tensor:
+    def set_scale(
+        self,
+        value: float,
+        found_inf: torch.Tensor | None,
+        spiked: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``update(new_scale)``: write ``value`` into the scale; count the iteration when
         ``found_inf`` is given. Returns a copy of the old scale."""
         old = self.scale.clone()
         self.scale.fill_(value)
         if found_inf is not None:
-            self.counters.record(found_inf, old)
+            self.counters.record(found_inf, old, spiked)
         return old
 
     def load(self, host: HostState) -> None:

@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from ..hostcopy import HostCopy
 from ..policy import Policy, StaticPolicy, float32_value
 
 __all__ = ["Pow2Watch", "pow2_exponent"]
@@ -65,27 +66,6 @@ def pow2_exponent(value: float | None) -> int | None:
     return exponent - 1 if mantissa == 0.5 else None
 
 
-class _HostCopy:
-    """The scale as it was at update number ``at``, copied to the host without waiting."""
-
-    def __init__(self, scale: torch.Tensor, at: int) -> None:
-        self.at = at
-        self._event: torch.cuda.Event | None = None
-        if scale.device.type == "cuda":
-            self._value = torch.empty((), dtype=scale.dtype, pin_memory=True)
-            self._value.copy_(scale, non_blocking=True)  # on the scale device's current stream
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record(torch.cuda.current_stream(scale.device))
-        else:  # the CPU: the value is at hand (the scale is updated in place, so read it now)
-            self._value = scale.clone()
-
-    def landed(self) -> bool:
-        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
-
-    def value(self) -> float:
-        return float(self._value)
-
-
 class Pow2Watch:
     """Whether the scale is known to be a power of two with an exact float32 reciprocal.
 
@@ -101,7 +81,7 @@ class Pow2Watch:
         # scale is not known to be a power of two).
         self._known: int | None = None
         self._known_at = 0
-        self._pending: _HostCopy | None = None
+        self._pending: HostCopy | None = None
         self._forgotten: torch.Tensor | None = None  # the scale, to copy once it is read again
         self._drop: int | None = None
         self._floor: int | None = None
@@ -137,7 +117,7 @@ class Pow2Watch:
         self._updates += 1
         bound = self._bound()
         if bound is not None and bound < RENEW_BELOW and self._pending is None:
-            self._pending = _HostCopy(scale, self._updates)  # adopted by `exact` once landed
+            self._pending = HostCopy(scale, self._updates)  # adopted by `exact` once landed
 
     @property
     def exact(self) -> bool:
@@ -145,7 +125,7 @@ class Pow2Watch:
         if not self._device_ok:
             return False
         if self._forgotten is not None:
-            self._pending = _HostCopy(self._forgotten, self._updates)
+            self._pending = HostCopy(self._forgotten, self._updates)
             self._forgotten = None
         self._adopt_landed()
         bound = self._bound()
@@ -163,7 +143,7 @@ class Pow2Watch:
         if pending is not None and pending.landed():
             self._pending = None
             if self._drop is not None:
-                self._known = pow2_exponent(pending.value())
+                self._known = pow2_exponent(float(pending.tolist()))
                 self._known_at = pending.at
 
     def _renew_from_bound(self) -> None:

@@ -6,23 +6,66 @@ reads its live state; nothing here takes part in a training step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Literal, TypeVar, overload
 
 import torch
 
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, ScalerUsageError
 from ..state import HostState, LiveState, ScalerStats
+from .collapse import CollapseAlert
 from .localize import NonFiniteTracer, OverflowReport
 from .monitor import Attachable, Callback, Monitor
 from .probe import GradientProbe
 from .records import StepRecord
 from .sinks import Sink, StepHistory
 
-__all__ = ["ObserverMethods"]
+__all__ = ["ObserverMethods", "SkipReason", "StepOutcome"]
+
+SkipReason = Literal["nonfinite", "spike"]
 
 SinkT = TypeVar("SinkT", bound=Sink)
 AttachableT = TypeVar("AttachableT", bound=Attachable)
+
+
+class StepOutcome:
+    """One ``step()``'s verdict: the inf/NaN flag and a guard's flag, as device tensors (the
+    fused path) or as known values; a tensor is read the first time it is asked about.
+
+    Example:
+        >>> outcome = StepOutcome(torch.tensor(0.0), torch.tensor(1.0))
+        >>> outcome.skipped, outcome.reason
+        (True, 'spike')
+    """
+
+    def __init__(
+        self, found_inf: torch.Tensor | bool, spike: torch.Tensor | bool | None = None
+    ) -> None:
+        self._found_inf = found_inf
+        self._spike = spike
+
+    @property
+    def reason(self) -> SkipReason | None:
+        """``"nonfinite"``, ``"spike"``, or ``None`` when the step was taken (reads the flags
+        still on the device: a host sync)."""
+        if isinstance(self._found_inf, torch.Tensor):
+            self._found_inf = bool(self._found_inf.item())
+        if self._found_inf:
+            return "nonfinite"
+        if isinstance(self._spike, torch.Tensor):
+            self._spike = bool(self._spike.item())
+        return "spike" if self._spike else None
+
+    @property
+    def skipped(self) -> bool:
+        """Whether ``optimizer.step()`` was skipped (may read the device, see :attr:`reason`)."""
+        return self.reason is not None
+
+    def settled(self) -> StepOutcome:
+        """The same verdict as Python values (for a copied scaler)."""
+        reason = self.reason
+        return StepOutcome(reason == "nonfinite", reason == "spike")
 
 
 class ObserverMethods:
@@ -30,7 +73,8 @@ class ObserverMethods:
 
     _monitor: Monitor
     _state: LiveState | HostState
-    _last_found_inf: torch.Tensor | bool | None
+    _last_outcome: StepOutcome | None
+    _outcomes: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepOutcome]
 
     def _attach_shorthands(
         self, history_size: object, probe_every: object, trace_nonfinite: object
@@ -69,13 +113,71 @@ class ObserverMethods:
                 scheduler.step()
                 ema.update_parameters(model)
 
+        A step a guard skipped (:class:`~ampscaler.SpikeGuard`) counts as skipped;
+        :attr:`last_skip_reason` tells the two apart, :meth:`step_skipped` follows each
+        optimizer of a loop with several.
+
         A host sync on the fused-optimizer path (it reads the inf flag handed to the kernel);
         free otherwise, since the decision already read it.
         """
-        found = self._last_found_inf
-        if isinstance(found, torch.Tensor):
-            found = self._last_found_inf = bool(found.item())
-        return bool(found)
+        outcome = self._last_outcome
+        return outcome is not None and outcome.skipped
+
+    @property
+    def last_skip_reason(self) -> SkipReason | None:
+        """Why the most recent :meth:`step` skipped: ``"nonfinite"`` (inf/NaN gradients: the
+        scale backs off), ``"spike"`` (a guard vetoed finite gradients: the scale stays), or
+        ``None`` (it stepped, or no step yet). Same syncs as :attr:`last_step_skipped`.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+            >>> scaler.step(opt)
+            >>> scaler.update()
+            >>> scaler.last_skip_reason, scaler.last_overflow.cause
+            ('nonfinite', 'loss')
+        """
+        outcome = self._last_outcome
+        return None if outcome is None else outcome.reason
+
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the latest :meth:`step` of ``optimizer`` was skipped (for any reason).
+
+        For loops with several optimizers, where :attr:`last_step_skipped` follows only the
+        last ``step()``: keep each optimizer's scheduler in step with its parameters. Valid
+        until that optimizer's next ``step()``, across ``update()``. A host sync on the fused
+        path, as :attr:`last_step_skipped`.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+            >>> opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+            >>> opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> x = torch.ones(1, 2)
+            >>> scaler.scale(a(x).sum() + b(x).sum()).backward()
+            >>> b.bias.grad.fill_(float("inf"))
+            tensor([inf])
+            >>> scaler.step(opt_a), scaler.step(opt_b)
+            (None, None)
+            >>> scaler.update()
+            >>> scaler.step_skipped(opt_a), scaler.step_skipped(opt_b)
+            (False, True)
+
+        Raises:
+            ScalerUsageError: (a ``RuntimeError``) ``optimizer`` has not been stepped through
+                this scaler.
+        """
+        outcome = self._outcomes.get(optimizer)
+        if outcome is None:
+            raise ScalerUsageError(
+                f"step_skipped() was asked about an optimizer ({type(optimizer).__name__}) "
+                "that this scaler has not stepped: call it after scaler.step(optimizer)."
+            )
+        return outcome.skipped
 
     @property
     def last_overflow(self) -> OverflowReport | None:
@@ -103,8 +205,11 @@ class ObserverMethods:
             tensor([nan])
             >>> scaler.step(opt)
             >>> scaler.update()
-            >>> print(scaler.last_overflow)
-            step 0: non-finite gradients at scale 65536 in 1 parameter(s): bias (nan)
+            >>> report = scaler.last_overflow
+            >>> report.names, report.kinds, report.cause
+            (['bias'], {'bias': 'nan'}, 'gradients')
+            >>> print(report)  # doctest: +ELLIPSIS
+            step 0: non-finite gradients at scale 65536 in 1 parameter(s): bias (nan); cause: ...
         """
         state = self._state
         if not isinstance(state, LiveState):
@@ -131,13 +236,24 @@ class ObserverMethods:
         """
         return self._monitor.history
 
+    @overload
+    def on(
+        self, event: Literal["collapse"], fn: Callable[[CollapseAlert], object]
+    ) -> Callable[[], None]: ...
+
+    @overload
+    def on(self, event: str, fn: Callable[[StepRecord], object]) -> Callable[[], None]: ...
+
     def on(self, event: str, fn: Callback) -> Callable[[], None]:
         """Call ``fn(record)`` at the end of :meth:`update` when ``event`` happened.
 
         Events: ``"step"`` (every iteration), ``"overflow"`` (skipped), ``"backoff"`` (the
-        scale went down), ``"growth"`` (it went up). ``fn`` gets the
-        :class:`~ampscaler.StepRecord`. Registering a callback makes :meth:`update` sync once
-        per iteration. Returns a function that unregisters ``fn``.
+        scale went down), ``"growth"`` (it went up); ``fn`` gets the
+        :class:`~ampscaler.StepRecord`, and registering it makes :meth:`update` sync once per
+        iteration. ``"collapse"``: the scale fell far below its running maximum or skips piled
+        up (see :class:`~ampscaler.CollapseWatch`); ``fn`` gets a
+        :class:`~ampscaler.CollapseAlert`, and registering it costs nothing per iteration.
+        Returns a function that unregisters ``fn``.
 
         Example:
             >>> import ampscaler, torch
@@ -180,7 +296,8 @@ class ObserverMethods:
 
     def attach(self, observer: AttachableT) -> AttachableT:
         """Attach a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer`
-        to the models given to :meth:`watch`; returns it.
+        to the models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of
+        the default one; returns it.
 
         Example:
             >>> import ampscaler, torch
@@ -189,19 +306,22 @@ class ObserverMethods:
             >>> probe = scaler.attach(GradientProbe(every=100))
 
         Raises:
-            TypeError: not a probe or tracer. ValueError: one of its kind is attached already.
+            TypeError: not a probe, tracer or collapse watch. ValueError: a probe or tracer
+                is attached already.
         """
         self._monitor.attach(observer)
         return observer
 
     @property
     def stats(self) -> ScalerStats:
-        """Counters so far: steps, skipped, growths, backoffs, consecutive_skips. A host sync.
+        """Counters so far: steps, skipped, growths, backoffs, consecutive_skips, spike_skips
+        (see :class:`~ampscaler.ScalerStats`). A host sync.
 
         Example:
             >>> import ampscaler, torch
-            >>> ampscaler.GradScaler("cpu").stats
-            ScalerStats(steps=0, skipped=0, growths=0, backoffs=0, consecutive_skips=0)
+            >>> stats = ampscaler.GradScaler("cpu").stats
+            >>> stats.steps, stats.skipped, stats.spike_skips
+            (0, 0, 0)
         """
         state = self._state
         if not isinstance(state, LiveState):

@@ -135,6 +135,11 @@ class OverflowReport:
             ``None`` when not traced.
         ranks: with a scaler ``process_group``, the global ranks whose gradients overflowed (the
             whole group skipped the step with them); empty otherwise.
+        cause: ``"loss"`` when a loss passed to ``scale()`` in the iteration was already
+            inf/NaN before scaling (a forward overflow in float16 activations, or bad data:
+            lowering the scale cannot help); ``"gradients"`` when the losses were finite and
+            the scaled gradients overflowed (what backing off is for); ``None`` when unknown
+            (``scale()`` ran inside ``torch.compile``). This rank's losses only.
     """
 
     step: int
@@ -144,8 +149,12 @@ class OverflowReport:
     rank: int | None = None
     ranks: Sequence[int] = field(default_factory=tuple)
     origin: str | None = None
+    cause: str | None = None
 
     def __str__(self) -> str:
+        return self._where() + _CAUSE_NOTE.get(self.cause or "", "")
+
+    def _where(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
         traced = f"; first non-finite in the backward of {self.origin}" if self.origin else ""
         label = "rank" if len(self.ranks) == 1 else "ranks"
@@ -178,6 +187,7 @@ class OverflowReport:
             "rank": self.rank,
             "ranks": list(self.ranks),
             "origin": self.origin,
+            "cause": self.cause,
         }
 
     @classmethod
@@ -191,7 +201,14 @@ class OverflowReport:
             rank=None if data.get("rank") is None else int(data["rank"]),
             ranks=tuple(int(r) for r in data.get("ranks", ())),
             origin=None if data.get("origin") is None else str(data["origin"]),
+            cause=None if data.get("cause") is None else str(data["cause"]),
         )
+
+
+_CAUSE_NOTE = {
+    "loss": "; cause: loss (already inf/NaN before scaling: lowering the scale cannot help)",
+    "gradients": "; cause: gradients",
+}
 
 
 def _rank() -> int | None:
@@ -240,6 +257,7 @@ def locate_overflow(
     step: int,
     scale: float = 1.0,
     origin: str | None = None,
+    cause: str | None = None,
 ) -> OverflowReport:
     """Examine every gradient of ``optimizers`` and report the non-finite ones.
 
@@ -257,7 +275,13 @@ def locate_overflow(
         if kind:
             found.setdefault(label, kind)
     return OverflowReport(
-        step=step, names=list(found), kinds=found, scale=scale, rank=_rank(), origin=origin
+        step=step,
+        names=list(found),
+        kinds=found,
+        scale=scale,
+        rank=_rank(),
+        origin=origin,
+        cause=cause,
     )
 
 
@@ -286,6 +310,7 @@ def merge_reports(reports: Sequence[OverflowReport]) -> OverflowReport:
         rank=first.rank,
         ranks=first.ranks,
         origin=origin,
+        cause=first.cause,  # the iteration's losses: the same for every optimizer
     )
 
 

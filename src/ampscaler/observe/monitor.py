@@ -28,12 +28,13 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 
 from ..errors import InvalidConfigError
 from . import localize
+from .collapse import CollapseAlert, CollapseWatch, OverflowTally
 from .localize import NonFiniteTracer, OverflowReport, ParamNames, TraceEvent, merge_reports
 from .probe import GradientProbe, PendingProbe
 from .records import StepRecord
@@ -45,13 +46,19 @@ if TYPE_CHECKING:
 
 __all__ = ["EVENTS", "Attachable", "Callback", "Monitor"]
 
-EVENTS = ("step", "overflow", "backoff", "growth")
+EVENTS = ("step", "overflow", "backoff", "growth", "collapse")
+#: Events whose callbacks take a StepRecord (the others: "collapse", a CollapseAlert).
+RECORD_EVENTS = EVENTS[:4]
 
-Callback = Callable[[StepRecord], Any]
-"""What :meth:`Monitor.on` calls with each matching record."""
+Callback = Callable[[StepRecord], Any] | Callable[[CollapseAlert], Any]
+"""What :meth:`Monitor.on` calls: with each matching record, or with a collapse alert."""
 
-Attachable: TypeAlias = GradientProbe | NonFiniteTracer
-"""What :meth:`Monitor.attach` takes: one of each at most."""
+Attachable: TypeAlias = GradientProbe | NonFiniteTracer | CollapseWatch
+"""What :meth:`Monitor.attach` takes: one probe and one tracer at most; a collapse watch
+replaces the one in place."""
+
+#: Losses kept per iteration before they are summed into one (a long accumulation).
+_KEEP_LOSSES = 16
 
 
 @dataclass
@@ -59,6 +66,8 @@ class _Iteration:
     """What one iteration noted about overflow."""
 
     started: bool = False
+    # The losses given to scale() (detached; the values are read only on skipped steps).
+    losses: list[torch.Tensor] = field(default_factory=list)
     # The live scale while the iteration runs; from after_update on, the copy taken before it.
     scale: torch.Tensor | None = None
     reports: list[OverflowReport] = field(default_factory=list)
@@ -84,6 +93,8 @@ class Monitor:
         self._callbacks: dict[str, list[Callback]] = {event: [] for event in EVENTS}
         self._probe: GradientProbe | None = None
         self._tracer: NonFiniteTracer | None = None
+        self.collapse = CollapseWatch()
+        self.tally = OverflowTally()
         self._models = WatchedModels()
         self._current = _Iteration()
         self._finished = _Iteration()
@@ -93,7 +104,7 @@ class Monitor:
     @property
     def consuming(self) -> bool:
         """Whether anything takes step records (so ``update()`` must read the outcome)."""
-        return bool(self._sinks) or any(self._callbacks.values())
+        return bool(self._sinks) or any(self._callbacks[event] for event in RECORD_EVENTS)
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Learn ``model``'s parameter names; the probe and tracer tap its modules."""
@@ -106,13 +117,16 @@ class Monitor:
                 observer.watch(model, prefix)
 
     def attach(self, observer: Attachable) -> None:
-        """Attach a probe or a tracer (one of each); it taps the models watched so far and
-        from now on.
+        """Attach a probe or a tracer (one of each), which taps the models watched so far and
+        from now on; or a collapse watch, which replaces the one in place.
 
         Raises:
             InvalidConfigError: (a ``ValueError``) one of its kind is attached already.
             TypeError: ``observer`` is neither.
         """
+        if isinstance(observer, CollapseWatch):
+            self.collapse = observer
+            return
         if isinstance(observer, GradientProbe):
             if self._probe is not None:
                 raise InvalidConfigError(
@@ -129,7 +143,7 @@ class Monitor:
             self._tracer = observer
         else:
             raise TypeError(
-                f"attach() takes a GradientProbe or a NonFiniteTracer, got "
+                f"attach() takes a GradientProbe, a NonFiniteTracer or a CollapseWatch, got "
                 f"{type(observer).__name__}; objects that take step records go to add_sink()."
             )
         if self._enabled:
@@ -179,6 +193,22 @@ class Monitor:
 
     # ------------------------------------------------------------------ the scaler's calls
 
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Keep a loss given to ``scale()`` (no device work; nothing under ``torch.compile``,
+        where keeping it would change a compiled guard every iteration)."""
+        if torch.compiler.is_compiling():
+            return
+        losses = self._current.losses
+        losses.append(loss.detach())
+        if len(losses) > _KEEP_LOSSES:
+            losses[:] = [_loss_sum(losses)]
+
+    def loss(self) -> torch.Tensor | None:
+        """The sum of the iteration's losses so far, unscaled (on the device; ``None`` when
+        ``scale()`` kept none)."""
+        losses = self._current.losses
+        return _loss_sum(losses) if losses else None
+
     def before_check(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
         """Called with the scaled gradients, before they are checked; probes when due."""
         if self._probe is not None:
@@ -207,8 +237,10 @@ class Monitor:
         elif found_inf:
             step = 0 if counters is None else int(counters.steps.item())
             events = None if self._tracer is None else self._tracer.events
-            report = self._localize([optimizer], step, float(scale.item()), events)
-            current.reports.append(dataclasses.replace(report, ranks=ranks))
+            report = self._localize([optimizer], step, float(scale.item()), events, current)
+            report = dataclasses.replace(report, ranks=ranks)
+            current.reports.append(report)
+            self.tally.add(report)
 
     def after_update(
         self,
@@ -216,12 +248,14 @@ class Monitor:
         old_scale: torch.Tensor,
         new_scale: torch.Tensor,
         counters: StepCounters,
+        spiked: torch.Tensor | None = None,
     ) -> None:
-        """End the iteration: emit its record if anything consumes records; move the probe on.
+        """End the iteration: emit its record if anything consumes records; move the probe
+        and the collapse watch on.
 
         ``old_scale`` is a copy of the scale from before the update, kept by the iteration;
         ``new_scale`` (the live scale) is read only here; ``counters`` have counted the
-        iteration already.
+        iteration already; ``spiked`` is > 0 when a guard skipped it (``None``: no guard).
         """
         current = self._current
         current.scale = old_scale
@@ -229,24 +263,34 @@ class Monitor:
         if self._tracer is not None:
             current.trace = self._tracer.take()
         if self.consuming:
-            self._emit(found_inf, old_scale, new_scale, counters, pending)
+            self._emit(found_inf, spiked, old_scale, new_scale, counters, pending)
         self._finished, self._current = current, _Iteration()
+        if not torch.compiler.is_compiling():
+            self.collapse.after_update(
+                lambda: torch.stack(
+                    [counters.steps.double(), counters.skipped.double(), new_scale.double()]
+                ),
+                self.tally,
+                cast(list[Callable[[CollapseAlert], Any]], self._callbacks["collapse"]),
+            )
 
     def _emit(
         self,
         found_inf: torch.Tensor,
+        spiked: torch.Tensor | None,
         old_scale: torch.Tensor,
         new_scale: torch.Tensor,
         counters: StepCounters,
         pending: PendingProbe | None,
     ) -> None:
         device = old_scale.device
-        outcome = [found_inf, old_scale, new_scale, counters.steps]
+        spike = torch.zeros_like(found_inf) if spiked is None else spiked
+        outcome = [found_inf, spike, old_scale, new_scale, counters.steps]
         packed = torch.stack([t.to(device, torch.float64) for t in outcome])
         if pending is not None:
             packed = torch.cat([packed, pending.values.to(device)])
         values = packed.tolist()  # the one host sync
-        found, old, new, steps = values[:4]
+        found, spike_flag, old, new, steps = values[:5]
         step = int(steps) - 1
         skipped = found > 0
         record = StepRecord(
@@ -256,7 +300,8 @@ class Monitor:
             skipped=skipped,
             time=time.time(),
             overflow=self._resolve(self._current, lambda: step) if skipped else None,
-            probe=None if pending is None else pending.finish(values[4:], old),
+            probe=None if pending is None else pending.finish(values[5:], old),
+            spike=not skipped and spike_flag > 0,
         )
         for sink in self._sinks:
             sink.write(record)
@@ -269,7 +314,7 @@ class Monitor:
         for event, happened in fired:
             if happened:
                 for fn in list(self._callbacks[event]):
-                    fn(record)
+                    fn(record)  # type: ignore[arg-type]  # record events take records
 
     # ------------------------------------------------------------------ overflow reports
 
@@ -279,10 +324,16 @@ class Monitor:
         step: int,
         scale: float,
         events: list[TraceEvent] | None,
+        iteration: _Iteration,
     ) -> OverflowReport:
         origin = None if events is None else NonFiniteTracer.origin(events)
         return localize.locate_overflow(
-            optimizers, self.names, step=step, scale=scale, origin=origin
+            optimizers,
+            self.names,
+            step=step,
+            scale=scale,
+            origin=origin,
+            cause=_cause(iteration.losses),
         )
 
     def _resolve(self, iteration: _Iteration, step: Callable[[], int]) -> OverflowReport | None:
@@ -295,7 +346,9 @@ class Monitor:
             if events is None and self._tracer is not None:
                 events = self._tracer.events
             scale = float(iteration.scale.item())
-            reports.append(self._localize(overflowed, step(), scale, events))
+            report = self._localize(overflowed, step(), scale, events, iteration)
+            reports.append(report)
+            self.tally.add(report)
         iteration.report = merge_reports(reports) if reports else None
         iteration.resolved = True
         return iteration.report
@@ -324,7 +377,8 @@ class Monitor:
         return {
             "enabled": self._enabled,
             "histories": [sink for sink in self._sinks if isinstance(sink, StepHistory)],
-            "observers": [o for o in (self._probe, self._tracer) if o is not None],
+            "observers": [o for o in (self._probe, self._tracer) if o is not None]
+            + [self.collapse.fresh()],
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -334,3 +388,20 @@ class Monitor:
         for observer in state["observers"]:
             self.attach(observer)
 
+
+def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The losses summed into one float32 value, on the first one's device."""
+    device = losses[0].device
+    if len(losses) == 1:
+        return losses[0].to(torch.float32).sum()
+    return torch.stack([loss.to(device, torch.float32).sum() for loss in losses]).sum()
+
+
+def _cause(losses: list[torch.Tensor]) -> str | None:
+    """``"loss"`` if any of ``losses`` holds inf/NaN, else ``"gradients"`` (``None``: no loss
+    was kept). One host sync; called on skipped steps only."""
+    if not losses:
+        return None
+    device = losses[0].device
+    finite = torch.stack([torch.isfinite(loss).all().to(device) for loss in losses]).all()
+    return "gradients" if bool(finite) else "loss"

@@ -7,13 +7,15 @@ something consumes records (a sink such as :class:`~ampscaler.StepHistory` or
     {"format": "ampscaler.step/1", "step": 41, "time": 1718000000.25, "scale": 65536.0,
      "new_scale": 32768.0, "skipped": true,
      "overflow": {"step": 41, "names": ["fc2.weight"], "kinds": {"fc2.weight": "inf"},
-                  "scale": 65536.0, "rank": null, "ranks": [], "origin": null},
+                  "scale": 65536.0, "rank": null, "ranks": [], "origin": null,
+                  "cause": "gradients"},
      "probe": null}
 
 ``overflow`` is present on skipped steps, ``probe`` on probed ones (see
 :mod:`ampscaler.observe.probe`). ``loss`` and ``lr`` are written when a record carries them (the
 scaler's records do not; the demo's do). Non-finite numbers are written as the strings
-``"inf"``, ``"-inf"`` and ``"nan"`` so that every line is strict JSON. ``label`` names the run
+``"inf"``, ``"-inf"`` and ``"nan"`` so that every line is strict JSON. ``"spike": true`` marks
+a step a :class:`~ampscaler.SpikeGuard` skipped. ``label`` names the run
 a record belongs to when one log holds several (the demo's arms). A line may hold other keys;
 :func:`read_log` ignores them.
 
@@ -64,6 +66,8 @@ class StepRecord:
         lr: the learning rate of the iteration, likewise.
         label: which run of a comparison the record belongs to (the demo labels its three
             arms); ``report`` draws the labels of one log side by side.
+        spike: whether a guard (:class:`~ampscaler.SpikeGuard`) skipped the step although its
+            gradients were finite (``skipped`` stays ``False``: the scale did not back off).
     """
 
     step: int
@@ -76,6 +80,7 @@ class StepRecord:
     loss: float | None = None
     lr: float | None = None
     label: str | None = None
+    spike: bool = False
 
     @property
     def grew(self) -> bool:
@@ -98,6 +103,8 @@ class StepRecord:
             text += "; skipped"
             if self.overflow is not None:
                 text += f" ({self.overflow})"
+        if self.spike:
+            text += "; skipped by the spike guard (finite gradients, scale kept)"
         if self.probe is not None:
             p = self.probe
             text += (
@@ -124,6 +131,8 @@ class StepRecord:
             data["lr"] = self.lr
         if self.label is not None:
             data["label"] = self.label
+        if self.spike:
+            data["spike"] = True
         return data
 
     def to_json_line(self) -> str:
@@ -153,6 +162,7 @@ class StepRecord:
             loss=None if data.get("loss") is None else float(data["loss"]),
             lr=None if data.get("lr") is None else float(data["lr"]),
             label=None if data.get("label") is None else str(data["label"]),
+            spike=bool(data.get("spike", False)),
         )
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import torch
+
 from ..errors import InvalidConfigError, SinkError
 from .records import StepRecord
 
@@ -240,41 +242,113 @@ class TensorBoardSink:
 
 
 class LoggingSink:
-    """Sends step records to a Python logger, one line each.
+    """Sends step records to a Python logger: a line per step, or a summary per ``every`` steps.
 
-    Skipped steps log at ``WARNING`` (with the overflow report), scale changes and probe
-    results at ``INFO``, other steps at ``level`` (``DEBUG`` by default, so an ``INFO`` logger
-    shows only what changed).
+    Per step (the default): skipped steps log at ``WARNING`` (with the overflow report), scale
+    changes, spike skips and probe results at ``INFO``, other steps at ``level`` (``DEBUG`` by
+    default, so an ``INFO`` logger shows only what changed).
+
+    With ``every=N``: one line per ``N`` steps, on rank 0 only when ``torch.distributed`` is
+    initialized (``all_ranks=True``: on every rank), at ``INFO`` when fewer than
+    ``warn_rate`` of the steps were skipped and ``WARNING`` otherwise::
+
+        steps 2000-2999: 1 skipped (0.1%), scale 2^15 -> 2^16, normal
+
+    so that a long run's log holds the one line that matters instead of a line per skip.
+    :meth:`close` logs the steps of a last, shorter period.
 
     Args:
         logger: a logger or a logger name.
-        level: the level of ordinary steps.
+        level: the level of ordinary steps (per-step mode).
+        every: steps per summary line (``None``: a line per step).
+        all_ranks: in summary mode, log on every rank, not only rank 0.
+        warn_rate: in summary mode, the skipped fraction from which a period is not "normal".
 
     Example:
         >>> from ampscaler import GradScaler, LoggingSink
         >>> scaler = GradScaler("cpu")
         >>> _ = scaler.add_sink(LoggingSink("train.scaler"))
+        >>> _ = scaler.add_sink(LoggingSink("train.summary", every=1000))
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) ``every`` not an int >= 1, or ``warn_rate``
+            outside (0, 1].
     """
 
     def __init__(
-        self, logger: logging.Logger | str = "ampscaler", *, level: int = logging.DEBUG
+        self,
+        logger: logging.Logger | str = "ampscaler",
+        *,
+        level: int = logging.DEBUG,
+        every: int | None = None,
+        all_ranks: bool = False,
+        warn_rate: float = 0.05,
     ) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                  or every < 1):
+            raise InvalidConfigError(
+                f"every must be an int >= 1 (steps per summary line) or None, got {every!r}."
+            )
+        if not (isinstance(warn_rate, (int, float)) and 0 < warn_rate <= 1):
+            raise InvalidConfigError(f"warn_rate must be in (0, 1], got {warn_rate!r}.")
         self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
         self.level = level
+        self.every = every
+        self.all_ranks = all_ranks
+        self.warn_rate = float(warn_rate)
+        self._period: list[StepRecord] = []
 
     def write(self, record: StepRecord) -> None:
-        """Log ``record``."""
+        """Log ``record``, or keep it for the period's summary."""
+        if self.every is not None:
+            self._period.append(record)
+            if len(self._period) >= self.every:
+                self._summarize()
+            return
         if record.skipped:
             level = logging.WARNING
-        elif record.grew or record.backed_off or record.probe is not None:
+        elif record.grew or record.backed_off or record.spike or record.probe is not None:
             level = logging.INFO
         else:
             level = self.level
         self.logger.log(level, "%s", record)
 
+    def _summarize(self) -> None:
+        period, self._period = self._period, []
+        if not period or not (self.all_ranks or _rank_zero()):
+            return
+        skipped = sum(r.skipped for r in period)
+        spikes = sum(r.spike for r in period)
+        rate = skipped / len(period)
+        normal = rate < self.warn_rate
+        text = (
+            f"steps {period[0].step}-{period[-1].step}: {skipped} skipped ({rate:.1%}), "
+            f"scale {_power(period[0].scale)} -> {_power(period[-1].new_scale)}"
+        )
+        if spikes:
+            text += f", {spikes} skipped by the spike guard"
+        text += ", normal" if normal else ", frequent skips"
+        self.logger.log(logging.INFO if normal else logging.WARNING, "%s", text)
+
     def close(self) -> None:
-        """Nothing to release (present so every sink can be closed alike)."""
+        """Log the summary of a last, shorter period (summary mode); nothing to release."""
+        if self.every is not None:
+            self._summarize()
 
     def __repr__(self) -> str:
-        return f"LoggingSink({self.logger.name!r})"
+        every = "" if self.every is None else f", every={self.every}"
+        return f"LoggingSink({self.logger.name!r}{every})"
 
+
+def _rank_zero() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _power(scale: float) -> str:
+    """``2^k`` for a power of two, else the number."""
+    if scale > 0 and math.isfinite(scale):
+        mantissa, exponent = math.frexp(scale)
+        if mantissa == 0.5:
+            return f"2^{exponent - 1}"
+    return f"{scale:g}"

@@ -1,0 +1,294 @@
+"""Skip rules beyond inf/NaN, decided on the device: the spike guard.
+
+A finite but huge gradient (a bad batch, a loss spike) passes the inf/NaN check and wrecks the
+run anyway. A guard looks at each optimizer's step before it is taken and may veto it::
+
+    check+unscale --> found_inf                     (inf/NaN: the scale backs off)
+    guards        --> spike     (a 0-dim flag on the device; the scale does not back off)
+    decide        --> skip when found_inf or spike  (one flag: the fused kernel gets it)
+
+Everything stays on the device: a guard turns measurements into a flag with tensor operations,
+so on the fused-optimizer path a guarded step still makes no host sync. Guards are the
+composition point for skip rules: anything with ``check(measured) -> flag`` and
+``end_iteration(skipped)`` (the :class:`Guard` protocol) can be added with
+:meth:`GradScaler.add_guard <ampscaler.GradScaler.add_guard>`.
+
+:class:`SpikeGuard` skips a step when the loss or the gradient norm exceeds the mean plus
+``sigma`` standard deviations of the last ``window`` steps that were taken, as OLMo-core's
+``SkipStepOptimizer`` does inside its own optimizers, here for any optimizer.
+
+Example:
+    >>> import torch, ampscaler
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    >>> scaler = ampscaler.GradScaler("cpu", init_scale=256.0)
+    >>> guard = scaler.add_guard(ampscaler.SpikeGuard(sigma=6.0, window=8))
+    >>> torch.manual_seed(0) is not None
+    True
+    >>> for step in range(12):
+    ...     spike = 1000.0 if step == 10 else 1.0
+    ...     loss = model(torch.randn(8, 4)).pow(2).mean() * spike
+    ...     scaler.scale(loss).backward()
+    ...     scaler.step(opt)
+    ...     scaler.update()
+    ...     opt.zero_grad()
+    ...     if scaler.last_step_skipped:
+    ...         print(step, scaler.last_skip_reason, scaler.get_scale())
+    10 spike 256.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from .errors import InvalidConfigError
+from .grads.collect import GradGroups
+
+__all__ = ["Guard", "GuardSet", "SpikeGuard", "StepMeasurements"]
+
+
+@dataclass(frozen=True)
+class StepMeasurements:
+    """What a guard sees of one optimizer's step, as 0-dim float32 tensors on the device.
+
+    Attributes:
+        optimizer: the optimizer about to step.
+        grad_norm: the L2 norm of its gradients, unscaled (with a scaler ``process_group``,
+            over the whole group: the shards' squared norms are summed across the ranks).
+        loss: the iteration's loss, unscaled: the sum of what was passed to ``scale()`` since
+            the last ``update()`` (averaged over the ranks with a ``process_group``); ``None``
+            when it is not known (``scale()`` ran inside ``torch.compile``).
+    """
+
+    optimizer: torch.optim.Optimizer
+    grad_norm: torch.Tensor
+    loss: torch.Tensor | None
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """A skip rule, decided on the device.
+
+    ``check`` is called once per optimizer and iteration, after the inf/NaN check, and returns
+    a 0-dim bool tensor (``True``: skip this optimizer's step); it must not read tensors back
+    to the host. ``end_iteration`` is called at ``update()`` with whether the iteration was
+    skipped (a 0-dim bool tensor, for any reason), so a guard can learn from the steps taken.
+    """
+
+    def check(self, measured: StepMeasurements) -> torch.Tensor: ...
+
+    def end_iteration(self, skipped: torch.Tensor) -> None: ...
+
+
+class _Window:
+    """The last ``size`` values pushed, on the device, with their mean and spread."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.values = torch.zeros(size, dtype=torch.float32, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self._positions = torch.arange(size, device=device)
+        self._size = size
+
+    def exceeds(self, value: torch.Tensor, sigma: float, ready_after: int) -> torch.Tensor:
+        """Whether ``value > mean + sigma * std`` of the values held, once ``ready_after``
+        values were pushed (a 0-dim bool tensor; no sync)."""
+        held = self.count.clamp(max=self._size)
+        valid = self._positions < held
+        mean = torch.where(valid, self.values, 0.0).sum() / held.clamp(min=1)
+        spread = torch.where(valid, (self.values - mean).square(), 0.0).sum()
+        std = (spread / (held - 1).clamp(min=1)).sqrt()
+        return (self.count >= ready_after) & (value > mean + sigma * std)
+
+    def push(self, value: torch.Tensor, keep: torch.Tensor) -> None:
+        """Append ``value`` when ``keep`` (a 0-dim bool tensor), overwriting the oldest."""
+        at = (self.count % self._size).reshape(1)
+        current = self.values.index_select(0, at)
+        self.values.index_copy_(0, at, torch.where(keep, value.reshape(1), current))
+        self.count.add_(keep.to(torch.int64))
+
+
+class SpikeGuard:
+    """Skip a step whose loss or gradient norm spikes; the scale stays where it is.
+
+    After ``warmup`` steps have been taken, a step is skipped when its loss, or the norm of an
+    optimizer's unscaled gradients, exceeds ``mean + sigma * std`` of the same quantity over the
+    last ``window`` steps that were taken (skipped steps never enter the window, so a spike
+    cannot raise the bar for the next one). Each optimizer's gradient norm has its own window.
+    The decision is a flag on the device: with a fused optimizer it joins the inf flag handed
+    to the kernel, and nothing waits for the device. A spike-skipped step does not back the
+    scale off (the scale was not the problem); it is counted in ``stats.spike_skips``, and
+    :attr:`GradScaler.last_skip_reason <ampscaler.GradScaler.last_skip_reason>` says
+    ``"spike"``.
+
+    Cost on every step: one read-only pass over the gradients (``torch._foreach_norm``) and a
+    few operations on ``window``-long tensors; with a scaler ``process_group`` one
+    ``all_reduce`` of two numbers per optimizer. The windows are not saved in the scaler's
+    ``state_dict``: after a restart, or when the guard is added mid-run, it warms up again.
+
+    Args:
+        sigma: how many standard deviations above the mean count as a spike (> 0).
+        window: how many of the latest steps taken the mean and deviation cover (>= 2).
+        warmup: steps taken before the guard may skip (>= 0; ``None``: ``window``). At least
+            two are always needed for a deviation.
+
+    Example:
+        >>> SpikeGuard(sigma=6.0, window=128)
+        SpikeGuard(sigma=6.0, window=128, warmup=128)
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) ``sigma <= 0``, ``window < 2`` or a negative
+            ``warmup``, naming the argument.
+    """
+
+    def __init__(self, sigma: float = 6.0, window: int = 128, warmup: int | None = None) -> None:
+        if (
+            isinstance(sigma, bool)
+            or not isinstance(sigma, (int, float))
+            or not math.isfinite(sigma)
+            or sigma <= 0
+        ):
+            raise InvalidConfigError(
+                f"sigma must be a finite number > 0 (how many standard deviations above the "
+                f"mean count as a spike; 6.0 is usual), got {sigma!r}."
+            )
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise InvalidConfigError(
+                f"window must be an int >= 2 (the steps the mean and deviation cover; 128 is "
+                f"usual), got {window!r}."
+            )
+        if warmup is not None and (
+            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
+        ):
+            raise InvalidConfigError(
+                f"warmup must be an int >= 0 or None (None: the window, {window}), got {warmup!r}."
+            )
+        self.sigma = float(sigma)
+        self.window = window
+        self.warmup = window if warmup is None else warmup
+        self._windows: dict[object, _Window] = {}
+        self._pending: dict[object, torch.Tensor] = {}
+
+    def _window(self, key: object, device: torch.device) -> _Window:
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _Window(self.window, device)
+        return window
+
+    def check(self, measured: StepMeasurements) -> torch.Tensor:
+        """Whether the step spikes (a 0-dim bool tensor on the device; no sync)."""
+        ready_after = max(self.warmup, 2)
+        quantities: list[tuple[object, torch.Tensor]] = [
+            (("grad_norm", id(measured.optimizer)), measured.grad_norm)
+        ]
+        if measured.loss is not None:
+            quantities.append(("loss", measured.loss))
+        spike: torch.Tensor | None = None
+        for key, value in quantities:
+            window = self._window(key, value.device)
+            exceeds = window.exceeds(value, self.sigma, ready_after)
+            spike = exceeds if spike is None else spike | exceeds
+            self._pending[key] = value  # the loss is the same for every optimizer
+        assert spike is not None
+        return spike
+
+    def end_iteration(self, skipped: torch.Tensor) -> None:
+        """Put the iteration's values into the windows unless it was skipped (no sync)."""
+        for key, value in self._pending.items():
+            window = self._windows[key]
+            keep = ~skipped.to(window.values.device) & torch.isfinite(value)
+            window.push(value, keep)
+        self._pending.clear()
+
+    def __repr__(self) -> str:
+        return f"SpikeGuard(sigma={self.sigma}, window={self.window}, warmup={self.warmup})"
+
+
+def _grad_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
+    """The L2 norm of every gradient in ``groups``, as they are now (one read-only pass,
+    accumulated in float32 so that float16 gradients cannot overflow it)."""
+    norms = [
+        norm.to(device)
+        for per_dtype in groups.values()
+        for grads in per_dtype.values()
+        for norm in torch._foreach_norm(grads, 2, dtype=torch.float32)
+    ]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(norms).square().sum().sqrt()
+
+
+class GuardSet:
+    """The guards of one scaler, and the measurements they are given.
+
+    Example:
+        >>> guards = GuardSet()
+        >>> bool(guards)
+        False
+        >>> _ = guards.add(SpikeGuard())
+        >>> bool(guards)
+        True
+    """
+
+    def __init__(self) -> None:
+        self._guards: list[Guard] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._guards)
+
+    def add(self, guard: Guard) -> Guard:
+        """Add ``guard``; it decides from the next step on.
+
+        Raises:
+            TypeError: ``guard`` lacks ``check`` or ``end_iteration``.
+            InvalidConfigError: it is added already.
+        """
+        if not isinstance(guard, Guard):
+            raise TypeError(
+                f"add_guard() takes a guard (an object with check(measured) and "
+                f"end_iteration(skipped), such as ampscaler.SpikeGuard), got "
+                f"{type(guard).__name__}."
+            )
+        if any(existing is guard for existing in self._guards):
+            raise InvalidConfigError(f"{guard!r} is added to this scaler already.")
+        self._guards.append(guard)
+        return guard
+
+    def check(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: GradGroups,
+        unscaled_by: torch.Tensor,
+        loss: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        """Ask every guard about ``optimizer``'s step; the flag (0-dim float32, 1.0: skip).
+
+        ``groups`` hold the gradients as checked; dividing them by ``unscaled_by`` gives the
+        true gradients. With a ``group``, the squared norm is summed and the loss averaged over
+        its ranks first (one ``all_reduce``), so every rank decides alike. No host sync.
+        """
+        device = unscaled_by.device
+        norm = _grad_norm(groups, device) / unscaled_by
+        if loss is not None:
+            loss = loss.to(device, torch.float32)
+        if group is not None:
+            packed = torch.stack([norm.square(), torch.zeros_like(norm) if loss is None else loss])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+            norm = packed[0].sqrt()
+            if loss is not None:
+                loss = packed[1] / dist.get_world_size(group)
+        measured = StepMeasurements(optimizer, norm, loss)
+        flag = torch.zeros((), dtype=torch.bool, device=device)
+        for guard in self._guards:
+            flag = flag | guard.check(measured).to(device)
+        return flag.to(torch.float32)
+
+    def end_iteration(self, skipped: torch.Tensor) -> None:
+        """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
+        for guard in self._guards:
+            guard.end_iteration(skipped)

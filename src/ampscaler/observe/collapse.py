@@ -1,0 +1,248 @@
+"""Early warning: the scale falling far below its running maximum, or skips piling up.
+
+A run whose scale collapses (pytorch#70346, DeepSpeed#931, the BigScience 104B chronicles)
+first skips more and more steps while the scale falls towards 1 and below; by the time
+``PersistentOverflowError`` or a NaN loss stops it, the cause is long gone from the logs.
+:class:`CollapseWatch` looks every ``window`` iterations at two numbers:
+
+* the scale against the largest scale seen at the end of earlier windows: below
+  ``scale_drop`` times that maximum is a collapse (the descent from ``init_scale`` in the first
+  window does not count: the maximum starts at the first window's end);
+* the fraction of the window's iterations that were skipped for inf/NaN: at or above
+  ``skip_rate`` is a collapse.
+
+On entering a collapse it calls the scaler's ``"collapse"`` callbacks with a
+:class:`CollapseAlert` and, the first time, logs one warning on the ``ampscaler`` logger that
+names the causes counted so far (``loss`` or ``gradients``, see
+:attr:`OverflowReport.cause <ampscaler.OverflowReport.cause>`) and the parameters seen most
+often in overflow reports. It fires again only after the run has recovered at a later check.
+
+Cost: every ``window`` updates the counters and the scale are copied to the host without
+waiting (on CUDA a non-blocking copy into pinned memory, read once it has landed; on the CPU a
+read of host memory). Nothing is read on the other updates, and nothing under
+``torch.compile``.
+
+Example:
+    >>> watch = CollapseWatch(scale_drop=2.0**-8, skip_rate=0.5, window=50)
+    >>> watch
+    CollapseWatch(scale_drop=0.00390625, skip_rate=0.5, window=50, log=True)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InvalidConfigError
+from ..hostcopy import HostCopy
+from .localize import OverflowReport
+
+__all__ = ["CollapseAlert", "CollapseWatch", "OverflowTally"]
+
+logger = logging.getLogger("ampscaler")
+
+
+class OverflowTally:
+    """What the overflow reports of a run said so far: causes and parameters, counted."""
+
+    def __init__(self) -> None:
+        self.causes: Counter[str] = Counter()
+        self.parameters: Counter[str] = Counter()
+
+    def add(self, report: OverflowReport) -> None:
+        """Count one iteration's report."""
+        self.causes[report.cause or "unknown"] += 1
+        self.parameters.update(report.names)
+
+
+@dataclass(frozen=True)
+class CollapseAlert:
+    """What :class:`CollapseWatch` saw when it decided the run is collapsing.
+
+    Attributes:
+        first_step: the first step of the window checked.
+        last_step: its last step.
+        scale: the scale at the end of the window.
+        max_scale: the largest scale seen at the end of an earlier window.
+        skip_rate: the fraction of the window's iterations skipped for inf/NaN.
+        reasons: ``"scale"`` (far below its maximum) and/or ``"skip_rate"``.
+        causes: overflow reports so far by cause (``"loss"``, ``"gradients"``, ``"unknown"``).
+        parameters: the parameters seen most often in overflow reports, with their counts.
+    """
+
+    first_step: int
+    last_step: int
+    scale: float
+    max_scale: float
+    skip_rate: float
+    reasons: tuple[str, ...]
+    causes: dict[str, int] = field(default_factory=dict)
+    parameters: list[tuple[str, int]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        found = []
+        if "scale" in self.reasons:
+            found.append(
+                f"the scale fell to {self.scale:g}, 2^{math.log2(self.max_scale / self.scale):.0f}"
+                f" below its running maximum {self.max_scale:g}"
+            )
+        if "skip_rate" in self.reasons:
+            found.append(f"{self.skip_rate:.0%} of the steps were skipped")
+        causes = ", ".join(f"{n} {c}" for c, n in sorted(self.causes.items())) or "none localized"
+        named = ", ".join(f"{name} ({n})" for name, n in self.parameters) or "none named"
+        hint = (
+            " Most overflows came with a non-finite loss: lowering the scale cannot help; check "
+            "the inputs and activations that exceed float16's 65504, or lower the learning rate."
+            if self.causes.get("loss", 0) > self.causes.get("gradients", 0)
+            else " Lower the learning rate or clip gradients; if the scale keeps falling, train "
+            "in bfloat16, or raise min_scale to stop the descent."
+        )
+        return (
+            f"ampscaler: the loss scale is collapsing at steps {self.first_step}-"
+            f"{self.last_step}: {' and '.join(found)}. Overflow causes so far: {causes}; "
+            f"parameters seen most often: {named}.{hint}"
+        )
+
+
+class CollapseWatch:
+    """Decides, every ``window`` iterations, whether the scale is collapsing (module docstring).
+
+    Every scaler has one with the defaults; ``scaler.attach(CollapseWatch(...))`` replaces it.
+
+    Args:
+        scale_drop: a scale below ``scale_drop`` times its running maximum is a collapse
+            (in (0, 1); ``None``: do not watch the scale). The default, ``2**-10``, is ten
+            backoffs at torch's factor with no growth in between.
+        skip_rate: a window with at least this fraction of skipped iterations is a collapse
+            (in (0, 1]; ``None``: do not watch skips). Healthy runs skip one step in
+            thousands.
+        window: iterations between checks (>= 10).
+        log: log one warning on the ``ampscaler`` logger at the first collapse.
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) an argument out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        scale_drop: float | None = 2.0**-10,
+        skip_rate: float | None = 0.25,
+        window: int = 100,
+        log: bool = True,
+    ) -> None:
+        if scale_drop is not None and not (_number(scale_drop) and 0 < scale_drop < 1):
+            raise InvalidConfigError(
+                f"scale_drop must be a number in (0, 1) or None, got {scale_drop!r}."
+            )
+        if skip_rate is not None and not (_number(skip_rate) and 0 < skip_rate <= 1):
+            raise InvalidConfigError(
+                f"skip_rate must be a number in (0, 1] or None, got {skip_rate!r}."
+            )
+        if isinstance(window, bool) or not isinstance(window, int) or window < 10:
+            raise InvalidConfigError(f"window must be an int >= 10, got {window!r}.")
+        if not isinstance(log, bool):
+            raise InvalidConfigError(f"log must be True or False, got {log!r}.")
+        self.scale_drop = scale_drop
+        self.skip_rate = skip_rate
+        self.window = window
+        self.log = log
+        self._updates = 0
+        self._pending: HostCopy | None = None
+        self._last: tuple[float, float] | None = None  # (steps, skipped) at the last check
+        self._max_scale: float | None = None
+        self._collapsing = False
+        self._logged = False
+
+    @property
+    def active(self) -> bool:
+        """Whether it watches anything."""
+        return self.scale_drop is not None or self.skip_rate is not None
+
+    def after_update(
+        self,
+        snapshot: Callable[[], torch.Tensor],
+        tally: OverflowTally,
+        callbacks: list[Callable[[CollapseAlert], Any]],
+    ) -> None:
+        """Count one update; every ``window`` of them, start copying ``snapshot()`` (the
+        steps and skipped counters and the scale, as one tensor) to the host, and judge the
+        copy once it has landed (never waits)."""
+        if not self.active:
+            return
+        self._updates += 1
+        if self._updates % self.window == 0 and self._pending is None:
+            self._pending = HostCopy(snapshot(), self._updates)
+        pending = self._pending
+        if pending is not None and pending.landed():
+            self._pending = None
+            steps, skipped, scale = pending.tolist()
+            self._judge(steps, skipped, scale, tally, callbacks)
+
+    def _judge(
+        self,
+        steps: float,
+        skipped: float,
+        scale: float,
+        tally: OverflowTally,
+        callbacks: list[Callable[[CollapseAlert], Any]],
+    ) -> None:
+        last_steps, last_skipped = self._last or (0.0, 0.0)
+        self._last = (steps, skipped)
+        done = steps - last_steps
+        rate = (skipped - last_skipped) / done if done > 0 else 0.0
+        reference = self._max_scale
+        self._max_scale = scale if reference is None else max(reference, scale)
+        reasons = []
+        if (
+            self.scale_drop is not None
+            and reference is not None
+            and scale < reference * self.scale_drop
+        ):
+            reasons.append("scale")
+        if self.skip_rate is not None and done > 0 and rate >= self.skip_rate:
+            reasons.append("skip_rate")
+        if not reasons:
+            self._collapsing = False
+            return
+        if self._collapsing:
+            return
+        self._collapsing = True
+        alert = CollapseAlert(
+            first_step=int(last_steps),
+            last_step=int(steps) - 1,
+            scale=scale,
+            max_scale=self._max_scale,
+            skip_rate=rate,
+            reasons=tuple(reasons),
+            causes=dict(tally.causes),
+            parameters=tally.parameters.most_common(5),
+        )
+        if self.log and not self._logged:
+            self._logged = True
+            logger.warning("%s", alert)
+        for fn in list(callbacks):
+            fn(alert)
+
+    def fresh(self) -> CollapseWatch:
+        """A watch with the same settings that has seen nothing (for a copied scaler)."""
+        return CollapseWatch(self.scale_drop, self.skip_rate, self.window, self.log)
+
+    def __repr__(self) -> str:
+        return (
+            f"CollapseWatch(scale_drop={self.scale_drop}, skip_rate={self.skip_rate}, "
+            f"window={self.window}, log={self.log})"
+        )
+
+
+def _number(value: object) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+    )
