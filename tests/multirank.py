@@ -235,6 +235,41 @@ def outsider_error(rank: int, world: int) -> str:
     return "no error"
 
 
+SPIKE_STEPS = 12
+SPIKE_AT = 10
+
+
+def train_with_spike(rank: int, world: int, *, optimizer: str) -> list[Any]:
+    """ZeRO-2 style training with a spike guard; at ``SPIKE_AT`` only the last rank's
+    gradients spike (finite, 1000 times their size). Returns, per step, the skip reason and
+    the scale, then the stats."""
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    mine = [p for i, p in enumerate(params) if i % world == rank]
+    opt = make_optimizer(mine, optimizer)
+    scaler = ampscaler.GradScaler("cpu", **SCALER_KWARGS, process_group=dist.group.WORLD)
+    scaler.add_guard(ampscaler.SpikeGuard(sigma=6.0, window=8))
+    seen: list[Any] = []
+    for step in range(SPIKE_STEPS):
+        scaler.scale(loss_of(model, step)).backward()
+        for i, p in enumerate(params):
+            if i % world != rank:
+                p.grad = None
+        if step == SPIKE_AT and rank == world - 1:
+            for p in mine:
+                if p.grad is not None:  # the spare layer has none
+                    p.grad.mul_(1000.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        for i, p in enumerate(params):
+            dist.broadcast(p.data, src=i % world)
+        seen.append((scaler.last_skip_reason, scaler.get_scale()))
+    seen.append(scaler.stats)
+    return seen
+
+
 SCENARIOS: dict[str, Callable[[int, int], Any]] = {
     "sgd": lambda r, w: train_sharded(
         r, w, optimizer="sgd", inject={1: [1], 4: [0]}, group=dist.group.WORLD
@@ -257,6 +292,8 @@ SCENARIOS: dict[str, Callable[[int, int], Any]] = {
     "sgd_four": lambda r, w: train_sharded(
         r, w, optimizer="sgd", inject={1: [0, 2], 3: [1]}, group=dist.group.WORLD
     ),
+    "spike_sgd": lambda r, w: train_with_spike(r, w, optimizer="sgd"),
+    "spike_fused_adam": lambda r, w: train_with_spike(r, w, optimizer="adam"),
     "subgroups": subgroups,
     "outsider": outsider_error,
 }

@@ -236,3 +236,37 @@ def test_sinks_and_diagnostics_still_work_in_a_compiled_step() -> None:
         return [(r.step, r.scale, r.new_scale, r.skipped) for r in scaler.history]
 
     assert records(compiled=True) == records(compiled=False)
+
+
+def test_a_spike_guard_decides_alike_in_a_compiled_step() -> None:
+    """Inside torch.compile the guard sees the gradient norm (the loss is not kept there) and
+    skips the same step as eagerly, on the device, with the scale kept."""
+
+    def run(compiled: bool) -> tuple[list[str | None], ampscaler.ScalerStats]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        scaler = ampscaler.GradScaler("cpu", init_scale=1.0)
+        scaler.add_guard(ampscaler.SpikeGuard(window=4))
+
+        def step(x: torch.Tensor, y: torch.Tensor, spike: torch.Tensor) -> None:
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(torch.nn.functional.mse_loss(out.float(), y) * spike).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+        call = torch.compile(step) if compiled else step
+        reasons = []
+        for i in range(8):
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            call(x, y, torch.tensor(1000.0 if i == 6 else 1.0))
+            reasons.append(scaler.last_skip_reason)
+        return reasons, scaler.stats
+
+    eager, compiled = run(False), run(True)
+    assert eager == compiled
+    assert eager[0] == [None] * 6 + ["spike", None]
+    assert (eager[1].spike_skips, eager[1].backoffs) == (1, 0)

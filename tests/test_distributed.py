@@ -28,6 +28,7 @@ TWO_RANK_INJECTIONS = {"sgd": {1: [1], 4: [0]}, "fused_adam": {2: [1], 3: [1]}}
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
     names = ["sgd", "fused_adam", "no_group", "fsdp2", "fsdp2_no_group", "mismatch"]
+    names += ["spike_sgd", "spike_fused_adam"]
     return multirank.spawn(2, names)
 
 
@@ -81,6 +82,20 @@ def test_without_a_process_group_the_sharded_ranks_diverge(
     assert rank1.skipped[1] and not rank0.skipped[1]
     assert rank1.scales[1] == rank0.scales[0] / 2 and rank0.scales[1] == rank0.scales[0] * 2
     assert all(a != b for a, b in zip(rank0.scales[1:], rank1.scales[1:], strict=True))
+
+
+@pytest.mark.parametrize("scenario", ["spike_sgd", "spike_fused_adam"])
+def test_a_spike_on_one_rank_is_skipped_by_every_rank(
+    two_ranks: list[dict[str, Any]], scenario: str
+) -> None:
+    rank0, rank1 = (results[scenario] for results in two_ranks)
+    assert rank0 == rank1  # the same verdicts and scales on both ranks
+    *steps, stats = rank0
+    reasons = [reason for reason, _ in steps]
+    assert reasons == ["spike" if s == multirank.SPIKE_AT else None for s in range(len(steps))]
+    scales = [scale for _, scale in steps]
+    assert scales[multirank.SPIKE_AT] == scales[multirank.SPIKE_AT - 1]  # no backoff
+    assert (stats.spike_skips, stats.skipped) == (1, 0)
 
 
 def test_four_ranks_agree_including_a_rank_without_gradients(

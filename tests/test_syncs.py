@@ -112,6 +112,22 @@ def test_fused_path_never_syncs(
     assert ours == syncs_per_step(torch.amp.GradScaler, True, set_to_none, monkeypatch)
 
 
+def _guarded(*args: Any, **kwargs: Any) -> ampscaler.GradScaler:
+    scaler = ampscaler.GradScaler(*args, **kwargs)
+    scaler.add_guard(ampscaler.SpikeGuard(window=2, warmup=2))  # deciding from the third step
+    return scaler
+
+
+def test_fused_path_with_a_spike_guard_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert syncs_per_step(_guarded, True, True, monkeypatch) == [0] * 6
+
+
+def test_plain_path_with_a_spike_guard_still_syncs_once_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert syncs_per_step(_guarded, False, True, monkeypatch, None) == [1] * 6
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["defaults", "flat_grads"])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_plain_path_syncs_once_per_step(

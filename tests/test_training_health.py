@@ -1,0 +1,485 @@
+"""Training health: why a step was skipped, spike skipping, collapse warnings, readable logs,
+the wrong precision, and skips per optimizer."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ampscaler
+from ampscaler import CollapseAlert, CollapseWatch, LoggingSink, SpikeGuard, StepHistory
+
+# ---------------------------------------------------------------- helpers
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+
+
+def _loss(model: torch.nn.Module, step: int, times: float = 1.0) -> torch.Tensor:
+    x, y = _batch(step)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    return torch.nn.functional.mse_loss(out.float(), y) * times
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
+    "fused_adam": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
+}
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for state in opt.state.values():
+        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# ---------------------------------------------------------------- why a step was skipped
+
+
+def test_a_forward_that_overflows_in_fp16_gives_cause_loss() -> None:
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(300.0)  # 4 * 300 * 100 = 120000: beyond float16's 65504
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscaler.GradScaler("cpu", init_scale=8.0, history_size=4, max_consecutive_skips=2)
+    scaler.watch(model)
+    for step in range(2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.full((2, 4), 100.0))
+        loss = out.float().pow(2).mean()  # its gradient carries the inf back
+        assert not torch.isfinite(loss)  # the forward overflowed, before any scaling
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        if step == 0:
+            scaler.update()
+            assert scaler.last_skip_reason == "nonfinite"
+            report = scaler.last_overflow
+            assert report is not None and report.cause == "loss"
+            assert "cannot help" in str(report)
+            assert scaler.history[-1].overflow is not None
+            assert scaler.history[-1].overflow.cause == "loss"
+        else:
+            with pytest.raises(ampscaler.PersistentOverflowError) as raised:
+                scaler.update()
+            assert raised.value.cause == "loss"
+            message = str(raised.value)
+            assert "cannot help" in message and "65504" in message and "inputs" in message
+            assert "min_scale" not in message
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["sgd", "fused_adam"])
+def test_a_scale_too_large_for_finite_gradients_gives_cause_gradients(name: str) -> None:
+    model = _mlp()
+    opt = OPTIMIZERS[name](model.parameters())
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**120, max_consecutive_skips=1)
+    loss = _loss(model, 0)
+    assert torch.isfinite(loss)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    with pytest.raises(ampscaler.PersistentOverflowError) as raised:
+        scaler.update()
+    assert raised.value.cause == "gradients"
+    assert "init_scale" in str(raised.value) and "min_scale" in str(raised.value)
+    assert scaler.last_skip_reason == "nonfinite"
+    report = scaler.last_overflow
+    assert report is not None and report.cause == "gradients"
+
+
+def test_any_non_finite_loss_among_several_makes_the_cause_loss() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu")
+    scaler.scale(_loss(model, 0)).backward()  # a finite loss, then a NaN one
+    scaler.scale([_loss(model, 1) * float("nan")])[0].backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.last_overflow
+    assert report is not None and report.cause == "loss"
+
+
+def test_the_cause_travels_through_the_jsonl_log(tmp_path: Any) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu")
+    path = tmp_path / "steps.jsonl"
+    with scaler.add_sink(ampscaler.JsonlSink(path)):
+        scaler.scale(_loss(model, 0) * float("inf")).backward()
+        scaler.step(opt)
+        scaler.update()
+    (record,) = ampscaler.read_log(path)
+    assert record.overflow is not None and record.overflow.cause == "loss"
+
+
+# ---------------------------------------------------------------- the spike guard
+
+
+def _guarded_run(
+    name: str, spike_at: int, steps: int, guard: SpikeGuard | None = None
+) -> dict[str, Any]:
+    model = _mlp()
+    opt = OPTIMIZERS[name](model.parameters())
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    scaler.add_guard(guard or SpikeGuard(sigma=6.0, window=8))
+    out: dict[str, Any] = {"reasons": [], "scales": []}
+    for step in range(steps):
+        scaler.scale(_loss(model, step)).backward()
+        if step == spike_at:
+            for p in model.parameters():
+                p.grad.mul_(1000.0)  # type: ignore[union-attr]  # finite, 1000x the norm
+            out["before"] = _snapshot(model, opt)
+            scale_before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out["reasons"].append(scaler.last_skip_reason)
+        out["scales"].append(scaler.get_scale())
+        if step == spike_at:
+            out["after"] = _snapshot(model, opt)
+            out["scale_kept"] = scaler.get_scale() == scale_before
+    out["stats"] = scaler.stats
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_finite_gradient_spike_is_skipped_and_leaves_everything_untouched(name: str) -> None:
+    run = _guarded_run(name, spike_at=12, steps=14)
+    assert run["reasons"] == [None] * 12 + ["spike", None]
+    assert _same(run["before"], run["after"])  # parameters and optimizer state untouched
+    assert run["scale_kept"]
+    stats = run["stats"]
+    assert (stats.skipped, stats.spike_skips, stats.backoffs, stats.steps) == (0, 1, 0, 14)
+
+
+def test_the_guard_waits_for_its_warm_up() -> None:
+    run = _guarded_run("sgd", spike_at=5, steps=6, guard=SpikeGuard(sigma=6.0, window=8))
+    assert run["reasons"] == [None] * 6  # only 5 steps in the window: not ready yet
+    run = _guarded_run("sgd", spike_at=5, steps=6, guard=SpikeGuard(window=8, warmup=4))
+    assert run["reasons"][5] == "spike"
+
+
+def test_a_loss_spike_alone_is_caught() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients stay alike
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    scaler.add_guard(SpikeGuard(sigma=3.0, window=8))
+    reasons = []
+    for step in range(10):
+        loss = _loss(model, step)
+        scaler.scale(loss).backward()
+        if step == 9:
+            # The same gradients, but the loss passed to scale() spikes.
+            scaler.scale(loss.detach() * 0 + 1e6)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reasons.append(scaler.last_skip_reason)
+    assert reasons == [None] * 9 + ["spike"]
+
+
+def test_a_guard_added_after_training_began_starts_its_warm_up_then() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    reasons = []
+    for step in range(16):
+        if step == 10:
+            scaler.add_guard(SpikeGuard(window=4))
+        scaler.scale(_loss(model, step)).backward()
+        if step in (12, 15):  # 2 steps into its warm-up, then after it
+            for p in model.parameters():
+                p.grad.mul_(1000.0)  # type: ignore[union-attr]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reasons.append(scaler.last_skip_reason)
+    assert reasons == [None] * 15 + ["spike"]
+
+
+def test_a_spike_step_is_recorded_as_such() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10, history_size=20)
+    scaler.add_guard(SpikeGuard(window=4))
+    for step in range(6):
+        scaler.scale(_loss(model, step)).backward()
+        if step == 5:
+            for p in model.parameters():
+                p.grad.mul_(1000.0)  # type: ignore[union-attr]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    record = scaler.history[-1]
+    assert record.spike and not record.skipped and record.new_scale == record.scale
+    assert "spike guard" in str(record)
+    assert ampscaler.StepRecord.from_dict(record.as_dict()) == record
+    assert not any(r.spike for r in scaler.history[:-1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"sigma": 0.0}, "sigma"),
+        ({"sigma": -1.0}, "sigma"),
+        ({"sigma": float("nan")}, "sigma"),
+        ({"window": 1}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"warmup": -1}, "warmup"),
+    ],
+)
+def test_bad_guard_arguments_are_named(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(ValueError, match=f"^{argument} must"):
+        SpikeGuard(**kwargs)
+
+
+def test_add_guard_refuses_what_is_not_a_guard_and_a_guard_twice() -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    with pytest.raises(TypeError, match="add_guard"):
+        scaler.add_guard(object())  # type: ignore[arg-type]
+    guard = scaler.add_guard(SpikeGuard())
+    with pytest.raises(ValueError, match="already"):
+        scaler.add_guard(guard)
+
+
+def test_a_scaler_with_a_guard_can_be_copied() -> None:
+    run_model = _mlp()
+    opt = torch.optim.SGD(run_model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu")
+    scaler.add_guard(SpikeGuard(window=4))
+    scaler.scale(_loss(run_model, 0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    for twin in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        assert twin.last_step_skipped is False and twin.last_skip_reason is None
+        with pytest.raises(RuntimeError, match="has not stepped"):
+            twin.step_skipped(opt)
+
+
+# ---------------------------------------------------------------- skips per optimizer
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_skipped_follows_each_optimizer(fused: bool) -> None:
+    a, b = _mlp(1), _mlp(2)
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-3, fused=fused)
+    opt_b = torch.optim.Adam(b.parameters(), lr=1e-3, fused=fused)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    with pytest.raises(RuntimeError, match="has not stepped"):
+        scaler.step_skipped(opt_a)
+    seen = []
+    for step in range(4):
+        scaler.scale(_loss(a, step) + _loss(b, step)).backward()
+        if step == 1:
+            b[0].weight.grad[0, 0] = float("inf")  # type: ignore[index]
+        if step == 2:
+            a[0].weight.grad[0, 0] = float("nan")  # type: ignore[index]
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+        seen.append((scaler.step_skipped(opt_a), scaler.step_skipped(opt_b)))
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    assert seen == [(False, False), (False, True), (True, False), (False, False)]
+
+
+# ---------------------------------------------------------------- the wrong precision
+
+
+def test_scale_inside_a_bf16_autocast_region_warns_once() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu")
+    with pytest.warns(UserWarning, match="bfloat16 needs no loss scaling") as caught:
+        for step in range(3):
+            x, y = _batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert len([w for w in caught if "bfloat16" in str(w.message)]) == 1
+    assert "enabled=False" in str(caught[0].message)
+
+
+def test_all_bf16_gradients_warn_once_and_fp16_autocast_does_not() -> None:
+    model = _mlp().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu")
+    with pytest.warns(UserWarning, match="every gradient of this optimizer is bfloat16") as caught:
+        for step in range(3):
+            x, y = _batch(step)
+            loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert len([w for w in caught if "bfloat16" in str(w.message)]) == 1
+
+    fp16 = _mlp()
+    opt = torch.optim.SGD(fp16.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(fp16, step)
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+# ---------------------------------------------------------------- early warning
+
+
+def _train_for(
+    steps: int, scaler: ampscaler.GradScaler, overflow: Callable[[int], bool]
+) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler.watch(model)
+    for step in range(steps):
+        loss = _loss(model, step % 64, times=1e-3)  # small: no overflow of its own at 2^16
+        scaler.scale(loss).backward()
+        if overflow(step):
+            model[2].bias.grad.fill_(float("inf"))  # type: ignore[union-attr, index]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_a_scripted_collapse_fires_the_event_once_and_logs_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    alerts: list[CollapseAlert] = []
+    scaler.on("collapse", alerts.append)
+    with caplog.at_level(logging.WARNING, logger="ampscaler"):
+        # Healthy for 300 steps, then an overflow every other step.
+        _train_for(600, scaler, lambda step: step >= 300 and step % 2 == 0)
+    assert len(alerts) == 1  # not again while the collapse goes on
+    alert = alerts[0]
+    assert (alert.first_step, alert.last_step) == (300, 399)
+    assert alert.reasons == ("scale", "skip_rate") and alert.skip_rate == 0.5
+    assert alert.causes == {"gradients": 50}
+    assert alert.parameters == [("2.bias", 50)]
+    warned = [r for r in caplog.records if r.name == "ampscaler"]
+    assert len(warned) == 1
+    message = warned[0].getMessage()
+    assert "collapsing at steps 300-399" in message
+    assert "50 gradients" in message and "2.bias (50)" in message
+
+
+def test_the_scale_falling_far_below_its_maximum_is_a_collapse() -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**-20, growth_interval=1)
+    scaler.attach(CollapseWatch(scale_drop=2.0**-6, skip_rate=None, window=10))
+    alerts: list[CollapseAlert] = []
+    scaler.on("collapse", alerts.append)
+    # Clean for 20 steps (the maximum is taken at steps 9 and 19), then 9 overflows in a row:
+    # 2^0 -> 2^-9, and one growth.
+    _train_for(30, scaler, lambda step: 20 <= step < 29)
+    assert len(alerts) == 1
+    (alert,) = alerts
+    assert alert.reasons == ("scale",)
+    assert (alert.max_scale, alert.scale) == (2.0**0, 2.0**-8)
+
+
+def test_a_normal_run_of_2000_steps_raises_no_alarm(caplog: pytest.LogCaptureFixture) -> None:
+    scaler = ampscaler.GradScaler("cpu")  # torch's defaults: growth every 2000 clean steps
+    alerts: list[CollapseAlert] = []
+    scaler.on("collapse", alerts.append)
+    with caplog.at_level(logging.WARNING, logger="ampscaler"):
+        # A few overflows, as a healthy run has.
+        _train_for(2000, scaler, lambda step: step in (3, 700, 1500))
+    assert alerts == []
+    assert not [r for r in caplog.records if r.name == "ampscaler"]
+    assert scaler.stats.skipped == 3
+
+
+def test_bad_collapse_watch_arguments_are_named() -> None:
+    for kwargs, argument in [
+        ({"scale_drop": 1.5}, "scale_drop"),
+        ({"skip_rate": 0.0}, "skip_rate"),
+        ({"window": 5}, "window"),
+        ({"log": "yes"}, "log"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{argument} must"):
+            CollapseWatch(**kwargs)
+
+
+def test_collapse_callbacks_cost_no_sync_per_step() -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    scaler.on("collapse", lambda alert: None)
+    assert not scaler._monitor.consuming  # update() reads nothing on its account
+
+
+# ---------------------------------------------------------------- readable logs
+
+
+def test_the_summary_mode_logs_one_line_per_period(caplog: pytest.LogCaptureFixture) -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**15, growth_interval=100)
+    sink = scaler.add_sink(LoggingSink("train.scaler", every=100))
+    with caplog.at_level(logging.DEBUG, logger="train.scaler"):
+        _train_for(250, scaler, lambda step: step == 120)
+        sink.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "train.scaler"]
+    assert lines == [
+        "steps 0-99: 0 skipped (0.0%), scale 2^15 -> 2^16, normal",
+        "steps 100-199: 1 skipped (1.0%), scale 2^16 -> 2^15, normal",
+        "steps 200-249: 0 skipped (0.0%), scale 2^15 -> 2^16, normal",
+    ]
+
+
+def test_the_summary_mode_warns_on_frequent_skips_and_stays_quiet_off_rank_zero(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    scaler.add_sink(LoggingSink("train.scaler", every=20))
+    with caplog.at_level(logging.DEBUG, logger="train.scaler"):
+        _train_for(20, scaler, lambda step: step % 4 == 0)
+    (record,) = [r for r in caplog.records if r.name == "train.scaler"]
+    assert record.levelno == logging.WARNING and record.getMessage().endswith("frequent skips")
+
+    caplog.clear()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    scaler = ampscaler.GradScaler("cpu")
+    scaler.add_sink(LoggingSink("train.scaler", every=5))
+    everywhere = scaler.add_sink(LoggingSink("train.all", every=5, all_ranks=True))
+    with caplog.at_level(logging.DEBUG):
+        _train_for(5, scaler, lambda step: False)
+    assert [r.name for r in caplog.records if r.name.startswith("train.")] == ["train.all"]
+    assert everywhere.every == 5
+
+
+def test_bad_summary_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="^every must"):
+        LoggingSink(every=0)
+    with pytest.raises(ValueError, match="^warn_rate must"):
+        LoggingSink(every=10, warn_rate=0.0)
+
+
+def test_history_is_unaffected_by_guards_and_watches() -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    history = scaler.add_sink(StepHistory(10))
+    _train_for(3, scaler, lambda step: step == 1)
+    assert [r.skipped for r in history.records] == [False, True, False]
