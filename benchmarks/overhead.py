@@ -12,6 +12,10 @@ gradients into flat buffers, worth it for many small kept gradients and fused op
 As the physical reference it also times one read+write pass (``mul_(1.0)``) and one read-only
 pass (``sum()``) over a flat buffer as large as all the gradients together.
 
+A fifth variant, ampscaler's defaults with a :class:`~ampscaler.SpikeGuard` added, gives what
+the guard costs on a clean step (``guard ms``: its overhead minus the defaults'), set against
+the read-only pass (``guard / read``; the target is under one pass, ratio < 1).
+
 Cases (``--cases``, comma separated):
 
 - ``sgd-few-large``: SGD, 50 tensors of 200k floats.
@@ -85,6 +89,17 @@ class Row:
     rw_pass: float | None
     read_pass: float | None
     flat_overhead: float | None = None
+    guard_overhead: float | None = None
+
+    @property
+    def guard_extra(self) -> float | None:
+        """What a SpikeGuard adds to the defaults' overhead."""
+        return None if self.guard_overhead is None else self.guard_overhead - self.amp_overhead
+
+    @property
+    def guard_ratio(self) -> float | None:
+        extra = self.guard_extra
+        return None if extra is None or not self.read_pass else extra / self.read_pass
 
     @property
     def ratio(self) -> float:
@@ -184,6 +199,8 @@ def calls_case(
     theirs = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
     ours = ampscaler.GradScaler(device.type, init_scale=LOSS_SCALE)
     flat = ampscaler.GradScaler(device.type, init_scale=LOSS_SCALE, flat_grads=True)
+    guarded = ampscaler.GradScaler(device.type, init_scale=LOSS_SCALE)
+    guarded.add_guard(ampscaler.SpikeGuard())
 
     def prepare() -> None:
         if args.fresh_grads:
@@ -198,13 +215,16 @@ def calls_case(
             "torch": lambda: scaler_step(theirs, optimizer, loss),
             "ampscaler": lambda: scaler_step(ours, optimizer, loss),
             "flat": lambda: scaler_step(flat, optimizer, loss),
+            "guarded": lambda: scaler_step(guarded, optimizer, loss),
         },
         prepare,
         args,
         device,
     )
-    if not ours.get_scale() == flat.get_scale() == theirs.get_scale():
-        raise AssertionError(f"{name}: the two scalers disagree on the scale")
+    if not ours.get_scale() == flat.get_scale() == guarded.get_scale() == theirs.get_scale():
+        raise AssertionError(f"{name}: the scalers disagree on the scale")
+    if guarded.stats.spike_skips:
+        raise AssertionError(f"{name}: the guard skipped a clean step")
     rw_pass, read_pass = flat_passes(sum(grad.numel() for grad in saved), args, device)
     label = f"{name} (fresh grads)" if args.fresh_grads else name
     return Row(
@@ -215,6 +235,7 @@ def calls_case(
         rw_pass,
         read_pass,
         timings.overhead("flat"),
+        timings.overhead("guarded"),
     )
 
 
@@ -353,7 +374,7 @@ def print_table(rows: list[Row]) -> None:
     header = (
         f"{'case':<26} {'torch ms':>9} {'defaults ms':>12} {'ratio (target)':>17} "
         f"{'flat_grads ms':>14} {'ratio (target)':>17} {'r+w ms':>7} {'read ms':>8} "
-        f"{'plain ms':>9}"
+        f"{'plain ms':>9} {'guard ms':>9} {'guard / read':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -363,7 +384,8 @@ def print_table(rows: list[Row]) -> None:
             f"{row.case:<26} {ms(row.torch_overhead):>9} {ms(row.amp_overhead):>12} "
             f"{verdict(row.ratio, DEFAULT_TARGET):>17} {ms(row.flat_overhead):>14} "
             f"{verdict(row.flat_ratio, flat_target):>17} {ms(row.rw_pass):>7} "
-            f"{ms(row.read_pass):>8} {ms(row.plain):>9}"
+            f"{ms(row.read_pass):>8} {ms(row.plain):>9} {ms(row.guard_extra):>9} "
+            f"{verdict(row.guard_ratio, 1.0):>13}"
         )
 
 

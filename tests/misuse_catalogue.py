@@ -62,12 +62,13 @@ class Misuse:
     deviation: str = ""
 
 
-_C, _O, _N, _S, _K = (
+_C, _O, _N, _S, _K, _H = (
     "Constructor arguments",
     "Call order",
     "update(new_scale)",
     "Checkpoints and copies",
     "Other calls",
+    "Guards, watches and summaries",
 )
 _CFG = ampscaler.InvalidConfigError
 _USE = ampscaler.ScalerUsageError
@@ -224,6 +225,19 @@ CASES: tuple[Misuse, ...] = (
     Misuse(_K, "scaler.set_backoff_factor(1.5)", _CFG, ("backoff_factor",), "model"),
     Misuse(_K, "scaler.set_growth_interval(0)", _CFG, ("growth_interval",), "model"),
     Misuse(_K, "scaler.watch(opt)", TypeError, ("nn.Module",), "model", in_torch=False),
+    Misuse(_H, "SpikeGuard(sigma=0.0)", _CFG, ("sigma", "> 0"), in_torch=False),
+    Misuse(_H, "SpikeGuard(window=1)", _CFG, ("window", ">= 2"), in_torch=False),
+    Misuse(_H, "SpikeGuard(warmup=-1)", _CFG, ("warmup", ">= 0"), in_torch=False),
+    Misuse(_H, "scaler.add_guard(object())", TypeError, ("add_guard", "SpikeGuard"), "model",
+           in_torch=False),
+    Misuse(_H, "g = SpikeGuard(); scaler.add_guard(g); scaler.add_guard(g)", _CFG, ("already",),
+           "model", in_torch=False),
+    Misuse(_H, "scaler.step_skipped(opt)", _USE, ("scaler.step(optimizer)",), "model",
+           in_torch=False),
+    Misuse(_H, "CollapseWatch(scale_drop=2.0)", _CFG, ("scale_drop", "(0, 1)"), in_torch=False),
+    Misuse(_H, "CollapseWatch(window=1)", _CFG, ("window", ">= 10"), in_torch=False),
+    Misuse(_H, "LoggingSink(every=0)", _CFG, ("every", ">= 1"), in_torch=False),
+    Misuse(_H, 'scaler.on("colapse", print)', _CFG, ("'collapse'",), "model", in_torch=False),
 )
 
 
@@ -232,6 +246,8 @@ def run(case: Misuse, factory: type) -> BaseException | None:
     namespace = {
         "torch": torch, "copy": copy, "GradScaler": factory,
         "ScalePolicy": ampscaler.ScalePolicy, "StaticPolicy": ampscaler.StaticPolicy,
+        "SpikeGuard": ampscaler.SpikeGuard, "CollapseWatch": ampscaler.CollapseWatch,
+        "LoggingSink": ampscaler.LoggingSink,
     }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

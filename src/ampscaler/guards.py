@@ -86,29 +86,32 @@ class Guard(Protocol):
 
 
 class _Window:
-    """The last ``size`` values pushed, on the device, with their mean and spread."""
+    """The last ``size`` values of ``rows`` quantities, on the device, with their mean and
+    spread: one ``[rows, size]`` tensor, so that each step costs the same few operations
+    however many quantities are watched."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
-        self.values = torch.zeros(size, dtype=torch.float32, device=device)
-        self.count = torch.zeros((), dtype=torch.int64, device=device)
+    def __init__(self, rows: int, size: int, device: torch.device) -> None:
+        self.values = torch.zeros(rows, size, dtype=torch.float32, device=device)
+        self.count = torch.zeros(rows, dtype=torch.int64, device=device)
         self._positions = torch.arange(size, device=device)
+        self._rows = torch.arange(rows, device=device)
         self._size = size
 
-    def exceeds(self, value: torch.Tensor, sigma: float, ready_after: int) -> torch.Tensor:
-        """Whether ``value > mean + sigma * std`` of the values held, once ``ready_after``
-        values were pushed (a 0-dim bool tensor; no sync)."""
+    def exceeds(self, values: torch.Tensor, sigma: float, ready_after: int) -> torch.Tensor:
+        """Whether any of ``values`` (one per row; NaN: none) is above ``mean + sigma * std``
+        of its row, in rows with at least ``ready_after`` values (a 0-dim bool; no sync)."""
         held = self.count.clamp(max=self._size)
-        valid = self._positions < held
-        mean = torch.where(valid, self.values, 0.0).sum() / held.clamp(min=1)
-        spread = torch.where(valid, (self.values - mean).square(), 0.0).sum()
+        valid = self._positions < held.unsqueeze(1)
+        mean = torch.where(valid, self.values, 0.0).sum(1) / held.clamp(min=1)
+        spread = torch.where(valid, (self.values - mean.unsqueeze(1)).square(), 0.0).sum(1)
         std = (spread / (held - 1).clamp(min=1)).sqrt()
-        return (self.count >= ready_after) & (value > mean + sigma * std)
+        return ((self.count >= ready_after) & (values > mean + sigma * std)).any()
 
-    def push(self, value: torch.Tensor, keep: torch.Tensor) -> None:
-        """Append ``value`` when ``keep`` (a 0-dim bool tensor), overwriting the oldest."""
-        at = (self.count % self._size).reshape(1)
-        current = self.values.index_select(0, at)
-        self.values.index_copy_(0, at, torch.where(keep, value.reshape(1), current))
+    def push(self, values: torch.Tensor, keep: torch.Tensor) -> None:
+        """Append each row's value where ``keep`` (bool per row), overwriting the oldest."""
+        at = self.count % self._size
+        current = self.values[self._rows, at]
+        self.values.index_put_((self._rows, at), torch.where(keep, values, current))
         self.count.add_(keep.to(torch.int64))
 
 
@@ -170,38 +173,26 @@ class SpikeGuard:
         self.sigma = float(sigma)
         self.window = window
         self.warmup = window if warmup is None else warmup
-        self._windows: dict[object, _Window] = {}
-        self._pending: dict[object, torch.Tensor] = {}
-
-    def _window(self, key: object, device: torch.device) -> _Window:
-        window = self._windows.get(key)
-        if window is None:
-            window = self._windows[key] = _Window(self.window, device)
-        return window
+        self._windows: dict[int, _Window] = {}
+        self._pending: dict[int, torch.Tensor] = {}
 
     def check(self, measured: StepMeasurements) -> torch.Tensor:
         """Whether the step spikes (a 0-dim bool tensor on the device; no sync)."""
-        ready_after = max(self.warmup, 2)
-        quantities: list[tuple[object, torch.Tensor]] = [
-            (("grad_norm", id(measured.optimizer)), measured.grad_norm)
-        ]
-        if measured.loss is not None:
-            quantities.append(("loss", measured.loss))
-        spike: torch.Tensor | None = None
-        for key, value in quantities:
-            window = self._window(key, value.device)
-            exceeds = window.exceeds(value, self.sigma, ready_after)
-            spike = exceeds if spike is None else spike | exceeds
-            self._pending[key] = value  # the loss is the same for every optimizer
-        assert spike is not None
-        return spike
+        norm = measured.grad_norm
+        loss = torch.full_like(norm, math.nan) if measured.loss is None else measured.loss
+        values = torch.stack([norm, loss.to(norm.device, torch.float32)])
+        key = id(measured.optimizer)
+        window = self._windows.get(key)
+        if window is None:  # each optimizer's own: its gradient norm, and the loss
+            window = self._windows[key] = _Window(2, self.window, norm.device)
+        self._pending[key] = values
+        return window.exceeds(values, self.sigma, max(self.warmup, 2))
 
     def end_iteration(self, skipped: torch.Tensor) -> None:
         """Put the iteration's values into the windows unless it was skipped (no sync)."""
-        for key, value in self._pending.items():
+        for key, values in self._pending.items():
             window = self._windows[key]
-            keep = ~skipped.to(window.values.device) & torch.isfinite(value)
-            window.push(value, keep)
+            window.push(values, ~skipped.to(values.device) & torch.isfinite(values))
         self._pending.clear()
 
     def __repr__(self) -> str:
@@ -209,17 +200,17 @@ class SpikeGuard:
 
 
 def _grad_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
-    """The L2 norm of every gradient in ``groups``, as they are now (one read-only pass,
-    accumulated in float32 so that float16 gradients cannot overflow it)."""
-    norms = [
-        norm.to(device)
+    """The L2 norm of every gradient in ``groups``, as they are now: one read-only pass,
+    accumulated in float32 so that float16 gradients cannot overflow it."""
+    squares = [
+        torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum().to(device)
         for per_dtype in groups.values()
         for grads in per_dtype.values()
-        for norm in torch._foreach_norm(grads, 2, dtype=torch.float32)
     ]
-    if not norms:
+    if not squares:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(norms).square().sum().sqrt()
+    total = squares[0] if len(squares) == 1 else torch.stack(squares).sum()
+    return total.sqrt()
 
 
 class GuardSet:
