@@ -169,6 +169,28 @@ def test_fused_optimizer_skips_are_reported_to_accelerate() -> None:
     assert scheduler.scheduler.last_epoch == STEPS - scaler.stats.skipped  # held after skips
 
 
+def test_a_scheduler_built_after_prepare_wraps_a_fused_optimizer() -> None:
+    """The Trainer builds its LR scheduler after prepare; torch's scheduler then wraps
+    ``optimizer.step`` through ``__func__``, so the reporting step must stay a bound method."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    scaler = use_scaler(accelerator, ampscaler.GradScaler("cpu", **scaler_args()))
+    net = model()
+    optimizer = accelerator.prepare(torch.optim.Adam(net.parameters(), lr=1e-2, fused=True))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    net = accelerator.prepare(net)
+    held = 0
+    for x, y in batches():
+        accelerator.backward(torch.nn.functional.mse_loss(net(x), y))
+        optimizer.step()
+        if accelerator.optimizer_step_was_skipped:
+            held += 1
+        else:
+            scheduler.step()
+        optimizer.zero_grad()
+    assert held == scaler.stats.skipped > 0
+    assert scheduler.last_epoch == STEPS - held
+
+
 def test_refuses_what_it_cannot_honour() -> None:
     accelerator = Accelerator(mixed_precision="bf16", cpu=True)
     with pytest.raises(ampscaler.InvalidConfigError, match="fp16"):
