@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 from accelerate.utils import GradScalerKwargs
 
 import ampscaler
@@ -21,15 +20,7 @@ from ampscaler.integrations.accelerate import use_scaler
 STEPS = 8
 BIG = (2, 5)  # iterations whose inputs are scaled so that their fp16 gradients overflow
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Iterator[None]:
-    """Accelerate keeps process-wide singletons; each test builds its own Accelerator."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
