@@ -10,6 +10,7 @@ import copy
 import pickle
 from collections.abc import Callable
 from typing import Any
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -756,6 +757,7 @@ def test_misuse_messages_say_what_to_do() -> None:
         ({"init_scale": 0.0}, "init_scale"),
         ({"init_scale": float("inf")}, "init_scale"),
         ({"device": 3}, "device"),
+        ({"device": Mock()}, "device"),  # as Lightning's test_amp_precision_default_scaler
         ({"device": "nonsense"}, "nonsense"),
     ],
 )
