@@ -87,22 +87,29 @@ def test_unscale_multiplies_by_inverse_and_flags_inf() -> None:
     assert scale == 2.0
 
 
-def test_update_scale_grows_and_backs_off_like_torch() -> None:
-    def run(make: Factory) -> list[Any]:
-        param = torch.nn.Parameter(torch.zeros(2))
-        opt = torch.optim.SGD([param], lr=0.1)
-        scaler = make("cpu", init_scale=2.0, growth_factor=3.0, backoff_factor=0.25,
-                      growth_interval=2)
-        seen = []
-        for bad in [False, False, True, False, False, False, True, True]:
-            scaler.scale(torch.tensor(1.0))
-            param.grad = torch.tensor([float("nan") if bad else 1.0, 1.0])
-            scaler.step(opt)
-            scaler.update()
-            seen.append((scaler.get_scale(), scaler._get_growth_tracker()))
-        return seen
+def _scales_and_trackers(
+    make: Factory, overflows: list[bool], poison: float, **kwargs: Any
+) -> list[tuple[float, int]]:
+    """Step an SGD once per entry (its gradient holding ``poison`` where the entry is true);
+    the scale and growth tracker after each update."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = make("cpu", **kwargs)
+    seen = []
+    for bad in overflows:
+        scaler.scale(torch.tensor(1.0))
+        param.grad = torch.tensor([poison if bad else 1.0, 1.0])
+        scaler.step(opt)
+        scaler.update()
+        seen.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return seen
 
-    seen = _same(run)
+
+def test_update_scale_grows_and_backs_off_like_torch() -> None:
+    overflows = [False, False, True, False, False, False, True, True]
+    kwargs = {"init_scale": 2.0, "growth_factor": 3.0, "backoff_factor": 0.25,
+              "growth_interval": 2}
+    seen = _same(lambda make: _scales_and_trackers(make, overflows, float("nan"), **kwargs))
     assert seen[1] == (6.0, 0) and seen[2] == (1.5, 0)
 
 
@@ -113,19 +120,11 @@ def test_growth_and_backoff_at_the_growth_interval_boundaries(interval: int) -> 
     pattern = [False] * (interval - 1) + [True] + [False] * interval + [True, True]
     pattern += [False] * (2 * interval)
 
-    def run(make: Factory) -> list[Any]:
-        param = torch.nn.Parameter(torch.zeros(2))
-        opt = torch.optim.SGD([param], lr=0.1)
-        scaler = make("cpu", init_scale=64.0, growth_interval=interval)
-        seen = []
-        for bad in pattern:
-            scaler.scale(torch.tensor(1.0))
-            param.grad = torch.tensor([float("inf") if bad else 1.0, 1.0])
-            scaler.step(opt)
-            scaler.update()
-            seen.append((scaler.get_scale(), scaler._get_growth_tracker()))
-        return seen
-
+    seen = _same(
+        lambda make: _scales_and_trackers(
+            make, pattern, float("inf"), init_scale=64.0, growth_interval=interval
+        )
+    )
     scale, tracker, expected = 64.0, 0, []
     for bad in pattern:  # torch's rule, spelled out
         tracker = 0 if bad else tracker + 1
@@ -133,7 +132,7 @@ def test_growth_and_backoff_at_the_growth_interval_boundaries(interval: int) -> 
         if tracker == interval:
             scale, tracker = scale * 2.0, 0
         expected.append((scale, tracker))
-    assert _same(run) == expected
+    assert seen == expected
 
 
 def _storm_of_gradients(inject: int, value: float) -> list[torch.Tensor]:
