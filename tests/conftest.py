@@ -15,3 +15,18 @@ def world_of_one() -> Iterator[dist.ProcessGroup]:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps process-wide singletons, and every Accelerator (a transformers Trainer
+    builds one too) reads them: a test that uses this starts and ends with them reset."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    def reset() -> None:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    reset()
+    yield
+    reset()

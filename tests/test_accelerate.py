@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 from accelerate.utils import GradScalerKwargs
 
 import ampscaler
@@ -21,15 +20,7 @@ from ampscaler.integrations.accelerate import use_scaler
 STEPS = 8
 BIG = (2, 5)  # iterations whose inputs are scaled so that their fp16 gradients overflow
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Iterator[None]:
-    """Accelerate keeps process-wide singletons; each test builds its own Accelerator."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,6 +158,28 @@ def test_fused_optimizer_skips_are_reported_to_accelerate() -> None:
     assert scaler.stats.skipped > 0
     assert sum(skipped) == scaler.stats.skipped  # each skip is seen, and nothing else
     assert scheduler.scheduler.last_epoch == STEPS - scaler.stats.skipped  # held after skips
+
+
+def test_a_scheduler_built_after_prepare_wraps_a_fused_optimizer() -> None:
+    """The Trainer builds its LR scheduler after prepare; torch's scheduler then wraps
+    ``optimizer.step`` through ``__func__``, so the reporting step must stay a bound method."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    scaler = use_scaler(accelerator, ampscaler.GradScaler("cpu", **scaler_args()))
+    net = model()
+    optimizer = accelerator.prepare(torch.optim.Adam(net.parameters(), lr=1e-2, fused=True))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    net = accelerator.prepare(net)
+    held = 0
+    for x, y in batches():
+        accelerator.backward(torch.nn.functional.mse_loss(net(x), y))
+        optimizer.step()
+        if accelerator.optimizer_step_was_skipped:
+            held += 1
+        else:
+            scheduler.step()
+        optimizer.zero_grad()
+    assert held == scaler.stats.skipped > 0
+    assert scheduler.last_epoch == STEPS - held
 
 
 def test_refuses_what_it_cannot_honour() -> None:

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-OPTIONAL = ("lightning", "pytorch_lightning", "accelerate", "tensorboard", "matplotlib")
+OPTIONAL = (
+    "lightning", "pytorch_lightning", "accelerate", "transformers", "tensorboard", "matplotlib",
+)
 
 
 def test_import_ampscaler_imports_no_optional_framework() -> None:

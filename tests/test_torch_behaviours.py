@@ -10,6 +10,7 @@ import copy
 import pickle
 from collections.abc import Callable
 from typing import Any
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -86,23 +87,146 @@ def test_unscale_multiplies_by_inverse_and_flags_inf() -> None:
     assert scale == 2.0
 
 
+def _scales_and_trackers(
+    make: Factory, overflows: list[bool], poison: float, **kwargs: Any
+) -> list[tuple[float, int]]:
+    """Step an SGD once per entry (its gradient holding ``poison`` where the entry is true);
+    the scale and growth tracker after each update."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = make("cpu", **kwargs)
+    seen = []
+    for bad in overflows:
+        scaler.scale(torch.tensor(1.0))
+        param.grad = torch.tensor([poison if bad else 1.0, 1.0])
+        scaler.step(opt)
+        scaler.update()
+        seen.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return seen
+
+
 def test_update_scale_grows_and_backs_off_like_torch() -> None:
+    overflows = [False, False, True, False, False, False, True, True]
+    kwargs = {"init_scale": 2.0, "growth_factor": 3.0, "backoff_factor": 0.25,
+              "growth_interval": 2}
+    seen = _same(lambda make: _scales_and_trackers(make, overflows, float("nan"), **kwargs))
+    assert seen[1] == (6.0, 0) and seen[2] == (1.5, 0)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_growth_and_backoff_at_the_growth_interval_boundaries(interval: int) -> None:
+    """An overflow one step before the growth would come, growth exactly after ``interval``
+    clean steps, an overflow right after a growth, two in a row: torch's sequence."""
+    pattern = [False] * (interval - 1) + [True] + [False] * interval + [True, True]
+    pattern += [False] * (2 * interval)
+
+    seen = _same(
+        lambda make: _scales_and_trackers(
+            make, pattern, float("inf"), init_scale=64.0, growth_interval=interval
+        )
+    )
+    scale, tracker, expected = 64.0, 0, []
+    for bad in pattern:  # torch's rule, spelled out
+        tracker = 0 if bad else tracker + 1
+        scale *= 0.5 if bad else 1.0
+        if tracker == interval:
+            scale, tracker = scale * 2.0, 0
+        expected.append((scale, tracker))
+    assert seen == expected
+
+
+def _storm_of_gradients(inject: int, value: float) -> list[torch.Tensor]:
+    """torch's "perfect storm": gradients of several dtypes and layouts (contiguous,
+    transposed, sliced), one of them holding ``value`` when ``inject >= 0``."""
+    g = torch.full((6, 6), 4.0)
+    half = g.to(torch.float16)
+    grads = [g.clone(), g.clone().t(), g.clone()[:, :3], half.clone(), half.clone().t(), g.double()]
+    if inject >= 0:
+        grads[inject][2, 1] = value
+    return grads
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_unscale_grads_finds_a_nonfinite_value_in_any_gradient(value: float) -> None:
     def run(make: Factory) -> list[Any]:
-        param = torch.nn.Parameter(torch.zeros(2))
-        opt = torch.optim.SGD([param], lr=0.1)
-        scaler = make("cpu", init_scale=2.0, growth_factor=3.0, backoff_factor=0.25,
-                      growth_interval=2)
-        seen = []
-        for bad in [False, False, True, False, False, False, True, True]:
+        results = []
+        for inject in range(-1, 6):
+            grads = _storm_of_gradients(inject, value)
+            params = [torch.nn.Parameter(torch.empty_like(grad)) for grad in grads]
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            opt = torch.optim.SGD(params, lr=1.0)
+            flags = make("cpu")._unscale_grads_(opt, torch.tensor(0.25), torch.zeros(1), True)
+            results.append(([p.grad.clone() for p in params], flags[torch.device("cpu")]))
+        return results
+
+    results = _same(run)
+    clean_grads, clean_flag = results[0]
+    assert float(clean_flag) == 0.0 and all((g == 1.0).all() for g in clean_grads)
+    assert all(float(flag) == 1.0 for _, flag in results[1:])
+
+
+def test_inf_and_nan_in_some_gradients_of_mixed_dtypes_and_layouts() -> None:
+    """Through the public calls: inf in one parameter's gradient, NaN in another's, the rest
+    finite, float32 and float64, contiguous or not; the step is skipped, the rest unscaled."""
+
+    def run(make: Factory) -> Any:
+        grads = _storm_of_gradients(-1, 0.0)
+        grads = [grads[0], grads[1], grads[2], grads[5]]  # dense fp16 would be refused
+        params = [torch.nn.Parameter(torch.zeros_like(grad)) for grad in grads]
+        opt = torch.optim.SGD(params, lr=1.0)
+        scaler = make("cpu", init_scale=4.0)
+        trace = []
+        for poison in ({}, {1: float("inf"), 3: float("nan")}, {2: float("nan")}, {}):
             scaler.scale(torch.tensor(1.0))
-            param.grad = torch.tensor([float("nan") if bad else 1.0, 1.0])
+            for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
+                param.grad = grad.clone()
+                if index in poison:
+                    param.grad[0, 1] = poison[index]
+            scaler.unscale_(opt)
+            trace.append([p.grad.clone() for p in params])
             scaler.step(opt)
             scaler.update()
-            seen.append((scaler.get_scale(), scaler._get_growth_tracker()))
-        return seen
+            trace.append((_params_of(params), scaler.get_scale()))
+        return trace
 
-    seen = _same(run)
-    assert seen[1] == (6.0, 0) and seen[2] == (1.5, 0)
+    trace = _same(run)
+    assert [scale for _, scale in trace[1::2]] == [4.0, 2.0, 1.0, 1.0]
+    assert torch.equal(trace[3][0][0], trace[1][0][0])  # the poisoned steps moved nothing
+
+
+def _params_of(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+def test_unscale_grads_groups_by_device_like_torch() -> None:
+    """torch's _unscale_grads_ flags each device's gradients separately, and scale() copies the
+    scale to each device of its outputs (torch's multi-GPU tests). A CPU has one device; the
+    meta device stands in for a second one, whose tensors have a shape and no data. That
+    checks the grouping: which devices get a flag, and the CPU part's values. A whole step over
+    two devices cannot be emulated: the per-device flags are combined on one device before the
+    skip decision, and a meta flag has no value to combine. torch's two-GPU training runs are
+    therefore not re-created here."""
+
+    def run(make: Factory) -> Any:
+        on_cpu = torch.nn.Parameter(torch.zeros(3))
+        on_meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
+        on_cpu.grad = torch.tensor([8.0, float("inf"), 4.0])
+        on_meta.grad = torch.ones(2, device="meta")
+        opt = torch.optim.SGD([on_cpu, on_meta], lr=1.0)
+        scaler = make("cpu", init_scale=4.0)
+        flags = scaler._unscale_grads_(opt, torch.tensor(0.25), torch.zeros(()), True)
+        meta_flag = flags[torch.device("meta")]
+        outputs = scaler.scale([torch.tensor(2.0), (torch.ones(2, device="meta"),)])
+        return (
+            sorted(str(device) for device in flags), flags[torch.device("cpu")],
+            (meta_flag.device.type, meta_flag.dtype, tuple(meta_flag.shape)), on_cpu.grad,
+            outputs[0], (outputs[1][0].device.type, tuple(outputs[1][0].shape)),
+        )  # fmt: skip
+
+    devices, cpu_flag, _, cpu_grad, cpu_output, _ = _same(run)
+    assert devices == ["cpu", "meta"] and float(cpu_flag) == 1.0
+    assert cpu_grad[0] == 2.0 and cpu_output == 8.0
 
 
 def test_unscale_sparse_gradients() -> None:
@@ -216,10 +340,10 @@ def test_cuda_without_cuda_warns_and_disables_like_torch() -> None:
 # ---------------------------------------------------------------- training patterns
 
 
-def _train(make: Factory, pattern: str, fused: bool = False) -> Any:
+def _train(make: Factory, pattern: str, fused: bool = False, enabled: bool = True) -> Any:
     model = _mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
-    scaler = make("cpu", init_scale=2.0**14, growth_interval=2)
+    scaler = make("cpu", init_scale=2.0**14, growth_interval=2, enabled=enabled)
     trace = []
     for i, (x, y) in enumerate(_data()):
         loss_scale = 1e6 if i == 2 else 1.0  # an fp16 overflow on the third step
@@ -238,6 +362,13 @@ def _train(make: Factory, pattern: str, fused: bool = False) -> Any:
             with torch.autocast("cpu", dtype=torch.float16):
                 total = loss + penalty
             scaler.scale(total).backward()
+        elif pattern == "clipping_inf":
+            # torch's clipping test: a whole gradient set to inf before unscale_ and clipping
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if i == 2:
+                model[2].weight.grad.fill_(float("inf"))
         else:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = torch.nn.functional.mse_loss(model(x).float(), y) * loss_scale
@@ -251,19 +382,106 @@ def _train(make: Factory, pattern: str, fused: bool = False) -> Any:
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+        if pattern == "pickled":  # torch's autocast test pickles the scaler every iteration
+            scaler = pickle.loads(pickle.dumps(scaler))
         trace.append((_params(model), scaler.get_scale()))
     return trace
 
 
 @pytest.mark.parametrize(
     "pattern",
-    ["plain", "accumulation", "penalty", "clipping", "clipping_separate_unscale"],
+    [
+        "plain", "accumulation", "penalty", "clipping", "clipping_separate_unscale",
+        "clipping_inf", "pickled",
+    ],
 )
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_training_patterns_match_torch(pattern: str, fused: bool) -> None:
     trace = _same(lambda make: _train(make, pattern, fused))
     assert trace[2][1] < trace[1][1]  # the injected overflow backed off
     assert not torch.equal(trace[0][0][0], trace[-1][0][0])  # and training moved the weights
+
+
+FUSED_CASES = {  # name: (optimizer, its arguments, init_scale)
+    "adam": (torch.optim.Adam, {}, 128.0),
+    "adam-amsgrad-decay": (torch.optim.Adam, {"amsgrad": True, "weight_decay": 0.1}, 128.0),
+    "adamw-maximize": (torch.optim.AdamW, {"maximize": True}, 128.0),
+    # not a power of two: the kernel unscales (ampscaler's check pass does for powers of two)
+    "adamw-scale-3000": (torch.optim.AdamW, {}, 3000.0),
+    "sgd-nesterov": (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, 128.0),
+    "adagrad-decay": (torch.optim.Adagrad, {"weight_decay": 0.1}, 128.0),
+}
+SKIP_ITER = 2
+
+
+def _fused_beside_forloop(make: Factory, case: str, separate_unscale: bool) -> list[Any]:
+    """torch's fused-optimizer scaling test: the same model trained by the for-loop optimizer
+    and by its fused twin, each under its own scaler, one iteration with an inf gradient."""
+    ctor, kwargs, init_scale = FUSED_CASES[case]
+    torch.manual_seed(20)
+    control = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    fused = copy.deepcopy(control)
+    arms = [
+        (control, ctor(control.parameters(), lr=0.1, **kwargs), make("cpu", init_scale=init_scale)),
+        (fused, ctor(fused.parameters(), lr=0.1, fused=True, **kwargs),
+         make("cpu", init_scale=init_scale)),
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(4)]
+    trace: list[Any] = []
+    for i, (x, y) in enumerate(data):
+        for model, opt, scaler in arms:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if i == SKIP_ITER:
+                model[1].weight.grad.fill_(float("inf"))
+            if separate_unscale and model is fused:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+            grads = [p.grad.clone() for p in model.parameters()] if i != SKIP_ITER else []
+            trace.append((_params(model), [t.clone().reshape(-1) for t in state], grads))
+    return trace
+
+
+@pytest.mark.parametrize("separate_unscale", [False, True], ids=["step", "unscale_-step"])
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_fused_optimizers_beside_their_forloop_twins(case: str, separate_unscale: bool) -> None:
+    """Bit for bit torch's for both arms; and, as torch's test checks, the fused arm (which
+    unscales inside its kernel, or in ampscaler's check pass) stays within rounding of the
+    for-loop arm (which steps on gradients unscaled by unscale_)."""
+    trace = _same(lambda make: _fused_beside_forloop(make, case, separate_unscale))
+    for (control, _, _), (fused, _, _) in zip(trace[::2], trace[1::2], strict=True):
+        for a, b in zip(control, fused, strict=True):
+            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5)
+    before, after = trace[2 * SKIP_ITER - 1][0], trace[2 * SKIP_ITER + 1][0]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # skipped
+
+
+def test_a_preset_grad_scale_is_handed_over_alone_after_unscale() -> None:
+    """After unscale_, torch hands a fused optimizer the grad_scale set on it (and nothing of
+    its own): the optimizer divides by that factor alone."""
+
+    def run(make: Factory) -> Any:
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+        scaler = make("cpu", init_scale=2.0**10)
+        trace = []
+        for x, y in _data(3):
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            scaler.unscale_(opt)
+            opt.grad_scale = torch.tensor(3.0)  # type: ignore[attr-defined]
+            scaler.step(opt)
+            scaler.update()
+            assert not hasattr(opt, "grad_scale")  # removed after the step, as torch does
+            trace.append((_params(model), [p.grad.clone() for p in model.parameters()]))
+        return trace
+
+    _same(run)
 
 
 def test_multiple_losses_and_optimizers_match_torch() -> None:
@@ -346,6 +564,36 @@ def test_state_dict_loads_both_ways() -> None:
     back.load_state_dict(theirs.state_dict())
     assert {k: back.state_dict()[k] for k in theirs.state_dict()} == theirs.state_dict()
     assert back.stats == ampscaler.ScalerStats()
+
+
+@pytest.mark.parametrize("used", [False, True], ids=["lazy", "used"])
+def test_load_state_dict_into_a_scaler_whose_scale_exists_or_not(used: bool) -> None:
+    """torch's state-dict test: the loaded values replace the target's, whether or not its
+    scale tensor was made yet, and the next scale() uses them."""
+
+    def run(make: Factory) -> Any:
+        source = make("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5,
+                      growth_interval=2)
+        target = make("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8,
+                      growth_interval=1)
+        if used:
+            target.scale(torch.tensor(4.0))
+        target.load_state_dict(source.state_dict())
+        return (
+            target.get_scale(), target.get_growth_factor(), target.get_backoff_factor(),
+            target.get_growth_interval(), target._get_growth_tracker(),
+            target.scale(torch.tensor(2.0)),
+        )  # fmt: skip
+
+    assert _same(run) == (3.0, 4.0, 0.5, 2, 0, torch.tensor(6.0))
+
+
+def test_disabled_scalers_train_alike() -> None:
+    """torch runs each scaling test disabled too: the loop stays the same and nothing is
+    scaled, checked or skipped (the overflowing step is taken)."""
+    trace = _same(lambda make: _train(make, "clipping_separate_unscale", enabled=False))
+    assert {scale for _, scale in trace} == {1.0}
+    assert not all(torch.isfinite(p).all() for p in trace[2][0])
 
 
 def test_state_dict_of_an_unused_scaler_and_a_disabled_one() -> None:
@@ -508,6 +756,7 @@ def test_misuse_messages_say_what_to_do() -> None:
         ({"init_scale": 0.0}, "init_scale"),
         ({"init_scale": float("inf")}, "init_scale"),
         ({"device": 3}, "device"),
+        ({"device": Mock()}, "device"),  # as Lightning's test_amp_precision_default_scaler
         ({"device": "nonsense"}, "nonsense"),
     ],
 )

@@ -16,6 +16,7 @@ autocast, and trains in float32. :func:`use_scaler` also turns on Accelerate's n
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidConfigError, ScalerUsageError
@@ -128,10 +129,12 @@ def _report_kernel_skips(prepared: Any, scaler: GradScaler) -> None:
     optimizer always does)."""
     step = prepared.step
 
-    def step_and_report(*args: Any, **kwargs: Any) -> Any:
+    def step_and_report(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = step(*args, **kwargs)
-        if prepared.gradient_state.sync_gradients:  # a real step, not an accumulation one
-            prepared._is_overflow = scaler.last_step_skipped
+        if self.gradient_state.sync_gradients:  # a real step, not an accumulation one
+            self._is_overflow = scaler.last_step_skipped
         return result
 
-    prepared.step = step_and_report
+    # A bound method, as the one it replaces: an LR scheduler built after prepare (the
+    # Trainer builds its own then) wraps ``optimizer.step`` through its ``__func__``.
+    prepared.step = types.MethodType(step_and_report, prepared)
