@@ -146,8 +146,7 @@ def _guarded_run(
     for step in range(steps):
         scaler.scale(_loss(model, step)).backward()
         if step == spike_at:
-            for p in model.parameters():
-                p.grad.mul_(1000.0)  # type: ignore[union-attr]  # finite, 1000x the norm
+            _spike_grads(model)
             out["before"] = _snapshot(model, opt)
             scale_before = scaler.get_scale()
         scaler.step(opt)
@@ -179,42 +178,56 @@ def test_the_guard_waits_for_its_warm_up() -> None:
     assert run["reasons"][5] == "spike"
 
 
+def _spike_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad.mul_(1000.0)  # type: ignore[union-attr]  # finite, 1000x the norm
+
+
+def _reasons(
+    scaler: ampscaler.GradScaler,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    after_backward: Callable[[int, torch.Tensor], object],
+) -> list[str | None]:
+    """Train ``steps`` steps, calling ``after_backward(step, loss)``; the skip reasons."""
+    reasons = []
+    for step in range(steps):
+        loss = _loss(model, step)
+        scaler.scale(loss).backward()
+        after_backward(step, loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reasons.append(scaler.last_skip_reason)
+    return reasons
+
+
 def test_a_loss_spike_alone_is_caught() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients stay alike
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
     scaler.add_guard(SpikeGuard(sigma=3.0, window=8))
-    reasons = []
-    for step in range(10):
-        loss = _loss(model, step)
-        scaler.scale(loss).backward()
-        if step == 9:
-            # The same gradients, but the loss passed to scale() spikes.
+
+    def loss_spikes(step: int, loss: torch.Tensor) -> None:
+        if step == 9:  # the same gradients, but the loss passed to scale() spikes
             scaler.scale(loss.detach() * 0 + 1e6)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        reasons.append(scaler.last_skip_reason)
-    assert reasons == [None] * 9 + ["spike"]
+
+    assert _reasons(scaler, model, opt, 10, loss_spikes) == [None] * 9 + ["spike"]
 
 
 def test_a_guard_added_after_training_began_starts_its_warm_up_then() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
-    reasons = []
-    for step in range(16):
-        if step == 10:
-            scaler.add_guard(SpikeGuard(window=4))
-        scaler.scale(_loss(model, step)).backward()
-        if step in (12, 15):  # 2 steps into its warm-up, then after it
-            for p in model.parameters():
-                p.grad.mul_(1000.0)  # type: ignore[union-attr]
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        reasons.append(scaler.last_skip_reason)
-    assert reasons == [None] * 15 + ["spike"]
+    assert _reasons(scaler, model, opt, 10, lambda step, loss: None) == [None] * 10
+    scaler.add_guard(SpikeGuard(window=4))
+
+    def spikes(step: int, loss: torch.Tensor) -> None:
+        if step in (2, 5):  # 2 steps into its warm-up, then after it
+            _spike_grads(model)
+
+    assert _reasons(scaler, model, opt, 6, spikes) == [None] * 5 + ["spike"]
 
 
 def test_a_spike_step_is_recorded_as_such() -> None:
@@ -222,14 +235,7 @@ def test_a_spike_step_is_recorded_as_such() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10, history_size=20)
     scaler.add_guard(SpikeGuard(window=4))
-    for step in range(6):
-        scaler.scale(_loss(model, step)).backward()
-        if step == 5:
-            for p in model.parameters():
-                p.grad.mul_(1000.0)  # type: ignore[union-attr]
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    _reasons(scaler, model, opt, 6, lambda step, loss: step == 5 and _spike_grads(model))
     record = scaler.history[-1]
     assert record.spike and not record.skipped and record.new_scale == record.scale
     assert "spike guard" in str(record)

@@ -84,6 +84,10 @@ class _OptimizerRecord:
         return found_inf if self.spike is None else torch.maximum(found_inf, self.spike)
 
 
+def _ignore(loss: torch.Tensor) -> None:
+    """Keeps nothing (``scale()`` under ``torch.compile``)."""
+
+
 def _sum(flags: list[torch.Tensor]) -> torch.Tensor | None:
     """The flags added up (``None`` for none): > 0 iff any of them is."""
     total = None
@@ -212,6 +216,8 @@ class GradScaler(
             weakref.WeakKeyDictionary()
         )
         self._warned_bf16 = False
+        # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
+        self._first_iteration = True
         self._monitor = Monitor(enabled=self._enabled)
         self._agreement = None if process_group is None else RankAgreement(process_group)
         self._attach_shorthands(history_size, probe_every, trace_nonfinite)
@@ -292,14 +298,18 @@ class GradScaler(
         """
         if not self._enabled:
             return outputs
-        if not (self._warned_bf16 or torch.compiler.is_compiling()):
+        # The losses are kept (not read) for the skip's cause and the guards; not under
+        # torch.compile, where a growing list would change a compiled guard every iteration.
+        compiling = torch.compiler.is_compiling()
+        if not compiling and self._first_iteration and not self._warned_bf16:
             device = outputs.device.type if isinstance(outputs, torch.Tensor) else self._device
             self._warn_if_bf16_autocast(device or "cuda")
         if isinstance(outputs, torch.Tensor):
-            self._monitor.note_loss(outputs)
+            if not compiling:
+                self._monitor.note_loss(outputs)
             return outputs * self._scale_on(outputs.device)
         scaled: Iterable[torch.Tensor] = scale_nested(
-            outputs, self._scale_on, self._monitor.note_loss
+            outputs, self._scale_on, _ignore if compiling else self._monitor.note_loss
         )
         return scaled
 
@@ -375,7 +385,8 @@ class GradScaler(
             groups = self._planner.groups(optimizer, allow_fp16, local)
         else:
             groups = collect(optimizer, allow_fp16=allow_fp16, local=local)
-        if not (self._warned_bf16 or torch.compiler.is_compiling()):
+        # Under torch.compile the flags are not read: a guard on them would recompile.
+        if not torch.compiler.is_compiling() and self._first_iteration and not self._warned_bf16:
             dtypes = {dtype for per_dtype in groups.values() for dtype in per_dtype}
             if dtypes == {torch.bfloat16}:
                 self._warn_bf16("every gradient of this optimizer is")
@@ -514,7 +525,8 @@ class GradScaler(
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
-        retval = step_fused(optimizer, grad_scale, record.skip_flag(found_inf), args, kwargs)
+        skip = found_inf if record.spike is None else record.skip_flag(found_inf)
+        retval = step_fused(optimizer, grad_scale, skip, args, kwargs)
         record.stage = OptState.STEPPED
         self._outcome(optimizer, StepOutcome(found_inf, record.spike))
         self._monitor.note_step(optimizer, found_inf, state.scale, state.counters)
@@ -561,7 +573,11 @@ class GradScaler(
             return
         state.settle()  # an earlier update handed over under torch.compile comes first
         found_inf = _sum(flags)  # > 0 iff any optimizer overflowed
-        spiked = _sum([r.spike for r in self._per_optimizer.values() if r.spike is not None])
+        spiked = (
+            _sum([r.spike for r in self._per_optimizer.values() if r.spike is not None])
+            if self._guards
+            else None
+        )
         if new_scale is not None:
             value = new_scale_value(new_scale, self._policy)
             old_scale = state.set_scale(value, found_inf, spiked)
@@ -606,6 +622,7 @@ class GradScaler(
         spiked: torch.Tensor | None = None,
     ) -> None:
         self._per_optimizer = {}
+        self._first_iteration = False
         self._monitor.after_update(found_inf, old_scale, state.scale, state.counters, spiked)
 
     def _check_persistent_overflow(self, state: LiveState, limit: int) -> None:

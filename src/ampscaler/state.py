@@ -113,13 +113,15 @@ class StepCounters:
         at once, in place, so the compiled graph holds no growing list (and its guards never
         change with the step number).
         """
-        if spiked is None:
-            spiked = torch.zeros_like(found_inf)
         if torch.compiler.is_compiling():
             self.count_now(found_inf, old_scale, spiked)
             return
         self._found.append(found_inf)
-        self._spiked.append(spiked)
+        # Guard flags are kept only from the first one on (then in step with _found).
+        if spiked is not None and not self._spiked:
+            self._spiked = [torch.zeros_like(flag) for flag in self._found[:-1]]
+        if self._spiked or spiked is not None:
+            self._spiked.append(torch.zeros_like(found_inf) if spiked is None else spiked)
         self._old.append(old_scale)
         if len(self._found) >= FOLD_EVERY:
             self._fold()
@@ -132,9 +134,8 @@ class StepCounters:
     ) -> None:
         """:meth:`record`, counted at once in place: nothing is kept for later."""
         self._fold()
-        if spiked is None:
-            spiked = torch.zeros_like(found_inf)
-        self._count(found_inf.reshape(1), spiked.reshape(1), old_scale.reshape(1))
+        flags = None if spiked is None else spiked.reshape(1)
+        self._count(found_inf.reshape(1), flags, old_scale.reshape(1))
 
     @property
     def steps(self) -> torch.Tensor:
@@ -163,14 +164,18 @@ class StepCounters:
         if self._found:
             device = self._values.device
             found = torch.stack([flag.to(device) for flag in self._found])
-            spiked = torch.stack([flag.to(device) for flag in self._spiked])
+            spiked = (
+                torch.stack([flag.to(device) for flag in self._spiked]) if self._spiked else None
+            )
             self._count(found, spiked, torch.stack(self._old))
             self._found, self._spiked, self._old = [], [], []
 
-    def _count(self, found: torch.Tensor, spiked: torch.Tensor, old: torch.Tensor) -> None:
-        """Add iterations with inf flags ``found`` and guard flags ``spiked`` that started at
-        scales ``old`` (1-dim, in order; the last one ended at the live scale), in place. NaN
-        flags are not counted."""
+    def _count(
+        self, found: torch.Tensor, spiked: torch.Tensor | None, old: torch.Tensor
+    ) -> None:
+        """Add iterations with inf flags ``found`` and guard flags ``spiked`` (``None``: no
+        guard flagged any) that started at scales ``old`` (1-dim, in order; the last one ended
+        at the live scale), in place. NaN flags are not counted."""
         counted = ~torch.isnan(found)
         count = counted.sum()
         overflow = found > 0
@@ -187,7 +192,9 @@ class StepCounters:
                     growths + ((new > old) & counted).sum(),
                     backoffs + ((new < old) & counted).sum(),
                     trailing + in_a_row * (trailing == count),
-                    spikes + ((spiked > 0) & ~overflow & counted).sum(),
+                    spikes
+                    if spiked is None
+                    else spikes + ((spiked > 0) & ~overflow & counted).sum(),
                 )
             )
         )

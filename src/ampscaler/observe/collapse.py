@@ -164,22 +164,27 @@ class CollapseWatch:
         """Whether it watches anything."""
         return self.scale_drop is not None or self.skip_rate is not None
 
-    def after_update(
+    def due(self) -> bool:
+        """Count one update; whether :meth:`look` has work now (a window ended, or a copy is
+        on its way). Cheap: called at every update."""
+        self._updates += 1
+        return self._pending is not None or (
+            self._updates % self.window == 0 and self.active
+        )
+
+    def look(
         self,
         snapshot: Callable[[], torch.Tensor],
         tally: OverflowTally,
         callbacks: list[Callable[[CollapseAlert], Any]],
     ) -> None:
-        """Count one update; every ``window`` of them, start copying ``snapshot()`` (the
-        steps and skipped counters and the scale, as one tensor) to the host, and judge the
-        copy once it has landed (never waits)."""
-        if not self.active:
-            return
-        self._updates += 1
-        if self._updates % self.window == 0 and self._pending is None:
+        """At the end of a window, start copying ``snapshot()`` (the steps and skipped
+        counters and the scale, as one tensor) to the host; judge a copy once it has landed
+        (never waits)."""
+        if self._pending is None:
             self._pending = HostCopy(snapshot(), self._updates)
         pending = self._pending
-        if pending is not None and pending.landed():
+        if pending.landed():
             self._pending = None
             steps, skipped, scale = pending.tolist()
             self._judge(steps, skipped, scale, tally, callbacks)

@@ -28,7 +28,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -90,7 +90,9 @@ class Monitor:
         self.names = ParamNames()
         self._enabled = enabled
         self._sinks: list[Sink] = []
-        self._callbacks: dict[str, list[Callback]] = {event: [] for event in EVENTS}
+        self._callbacks: dict[str, list[Callback]] = {event: [] for event in RECORD_EVENTS}
+        self._collapse_callbacks: list[Callable[[CollapseAlert], Any]] = []
+        self._record_callbacks = 0  # how many are registered in _callbacks
         self._probe: GradientProbe | None = None
         self._tracer: NonFiniteTracer | None = None
         self.collapse = CollapseWatch()
@@ -104,7 +106,7 @@ class Monitor:
     @property
     def consuming(self) -> bool:
         """Whether anything takes step records (so ``update()`` must read the outcome)."""
-        return bool(self._sinks) or any(self._callbacks[event] for event in RECORD_EVENTS)
+        return bool(self._sinks) or self._record_callbacks > 0
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Learn ``model``'s parameter names; the probe and tracer tap its modules."""
@@ -158,12 +160,23 @@ class Monitor:
             )
         if not callable(fn):
             raise TypeError(f"on() expects a callable taking a StepRecord, got {fn!r}.")
+        if event == "collapse":
+            collapse = self._collapse_callbacks
+            collapse.append(fn)  # type: ignore[arg-type]  # "collapse" takes alerts
+
+            def stop_collapse() -> None:
+                if fn in collapse:
+                    collapse.remove(fn)
+
+            return stop_collapse
         callbacks = self._callbacks[event]
         callbacks.append(fn)
+        self._record_callbacks += 1
 
         def remove() -> None:
             if fn in callbacks:
                 callbacks.remove(fn)
+                self._record_callbacks -= 1
 
         return remove
 
@@ -194,10 +207,8 @@ class Monitor:
     # ------------------------------------------------------------------ the scaler's calls
 
     def note_loss(self, loss: torch.Tensor) -> None:
-        """Keep a loss given to ``scale()`` (no device work; nothing under ``torch.compile``,
-        where keeping it would change a compiled guard every iteration)."""
-        if torch.compiler.is_compiling():
-            return
+        """Keep a loss given to ``scale()`` (no device work). Not to be called under
+        ``torch.compile``, where keeping it would change a compiled guard every iteration."""
         losses = self._current.losses
         losses.append(loss.detach())
         if len(losses) > _KEEP_LOSSES:
@@ -265,13 +276,13 @@ class Monitor:
         if self.consuming:
             self._emit(found_inf, spiked, old_scale, new_scale, counters, pending)
         self._finished, self._current = current, _Iteration()
-        if not torch.compiler.is_compiling():
-            self.collapse.after_update(
+        if not torch.compiler.is_compiling() and self.collapse.due():
+            self.collapse.look(
                 lambda: torch.stack(
                     [counters.steps.double(), counters.skipped.double(), new_scale.double()]
                 ),
                 self.tally,
-                cast(list[Callable[[CollapseAlert], Any]], self._callbacks["collapse"]),
+                self._collapse_callbacks,
             )
 
     def _emit(
