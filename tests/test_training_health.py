@@ -489,3 +489,56 @@ def test_history_is_unaffected_by_guards_and_watches() -> None:
     history = scaler.add_sink(StepHistory(10))
     _train_for(3, scaler, lambda step: step == 1)
     assert [r.skipped for r in history.records] == [False, True, False]
+
+
+# ---------------------------------------------------------------- guards in checkpoints
+
+
+def test_a_resumed_guard_decides_as_the_uninterrupted_one() -> None:
+    def run(resume_at: int | None) -> tuple[list[str | None], list[torch.Tensor]]:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+        scaler.add_guard(SpikeGuard(sigma=6.0, window=8))
+        reasons = []
+        for step in range(14):
+            if step == resume_at:  # a new process: everything from the checkpoint
+                saved = copy.deepcopy(
+                    {"model": model.state_dict(), "opt": opt.state_dict(),
+                     "scaler": scaler.state_dict()}
+                )  # fmt: skip
+                model = _mlp(seed=99)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+                scaler = ampscaler.GradScaler("cpu")
+                scaler.add_guard(SpikeGuard())
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+                scaler.load_state_dict(saved["scaler"])
+            scaler.scale(_loss(model, step)).backward()
+            if step == 12:
+                _spike_grads(model)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            reasons.append(scaler.last_skip_reason)
+        return reasons, [p.detach().clone() for p in model.parameters()]
+
+    whole, resumed = run(None), run(10)
+    # Without its windows the resumed guard would still be warming up at step 12.
+    assert whole[0] == resumed[0] == [None] * 12 + ["spike", None]
+    assert _same(whole[1], resumed[1])
+
+
+def test_guard_state_mismatches_are_reported() -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    scaler.add_guard(SpikeGuard())
+    saved = scaler.state_dict()
+    bare = ampscaler.GradScaler("cpu")
+    with pytest.warns(UserWarning, match="state of 1 guard"):
+        bare.load_state_dict(saved)
+    other = ampscaler.GradScaler("cpu")
+    with pytest.raises(ampscaler.InvalidStateDictError, match="guards must be"):
+        other.load_state_dict({**saved, "guards": "not json"})
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(saved)  # torch ignores the key
+    assert torch_scaler.get_scale() == scaler.get_scale()

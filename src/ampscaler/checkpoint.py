@@ -3,7 +3,8 @@
 A state dict holds torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
 ``growth_interval``, ``_growth_tracker``) and ampscaler's own: the rest of the policy
 (``hysteresis``, ``min_scale``, ``max_scale``, ``dynamic``), the hysteresis budget
-(``_hysteresis_tracker``), ``max_consecutive_skips`` and the counters (``stats``). Torch's
+(``_hysteresis_tracker``), ``max_consecutive_skips``, the counters (``stats``) and the guards'
+state (``guards``, one JSON string: see :meth:`ampscaler.guards.GuardSet.state_dict`). Torch's
 ``GradScaler.load_state_dict`` reads its five keys and ignores the rest, so ampscaler's state
 loads into torch; a torch state dict loads here and leaves ampscaler's own options as they were.
 
@@ -30,7 +31,9 @@ from typing import Any
 
 import torch
 
+from .distributed import RankAgreement
 from .errors import InvalidConfigError, InvalidStateDictError, ScalerUsageError
+from .guards import GuardSet
 from .observe.api import StepOutcome
 from .policy import Policy, ScalePolicy, StaticPolicy, float32_value
 from .state import HostState, LiveState, ScalerStats
@@ -179,6 +182,8 @@ class CheckpointMethods:
     _saw: Callable[[float], None]  # tells the fused route the scale's value
     _set_policy: Callable[[Policy], None]
     _init_scale: float
+    _agreement: RankAgreement | None
+    _guards: GuardSet
 
     def _host_state(self) -> HostState:
         """The state as Python values (a host sync once it lives on a device)."""
@@ -204,10 +209,15 @@ class CheckpointMethods:
         """
         if not self._enabled:
             return {}
-        return to_state_dict(self._policy, self._max_consecutive_skips, self._host_state())
+        saved = to_state_dict(self._policy, self._max_consecutive_skips, self._host_state())
+        saved["guards"] = self._guards.state_dict()
+        return saved
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state saved by this class or by ``torch.amp.GradScaler``.
+
+        With a ``process_group``, the ranks compare what they loaded at the next step (one
+        gather per group) and stop with an error naming the ranks that differ.
 
         Like torch, the checkpoint's configuration (factors, interval, and here also
         hysteresis, bounds, ``dynamic`` and ``max_consecutive_skips`` when present) replaces
@@ -232,6 +242,10 @@ class CheckpointMethods:
             self._saw(float32_value(loaded.state.scale))
         else:
             self._state = loaded.state
+        if "guards" in state_dict:
+            self._guards.load_state_dict(state_dict["guards"])
+        if self._agreement is not None:
+            self._agreement.recheck()  # the ranks compare what they loaded at the next step
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -1,4 +1,5 @@
-"""Agreeing on overflow across ranks: one inf/NaN verdict for every rank of a process group.
+"""Agreeing on overflow across ranks: one inf/NaN verdict for every rank of one or more
+process groups.
 
 With sharded gradients (FSDP, ZeRO, tensor or pipeline parallelism) each rank checks only its
 own shard. A rank that finds inf/NaN skips its step and backs off its scale while the others
@@ -6,15 +7,22 @@ step and keep theirs, and the replicas silently diverge. :class:`RankAgreement` 
 each optimizer's inf flag over a process group, so every rank of the group steps or skips
 together and moves its scale identically.
 
+Several groups (Megatron's layout: a tensor-parallel group and a data-parallel group that
+together span a grid of ranks) are reduced one after the other: after the max over this rank's
+tensor-parallel group and then over its data-parallel group, every rank of the grid holds the
+max over the whole grid, with one collective per group and no group that spans the union.
+Groups contained in another given group add nothing and are dropped, as are repeats.
+
 The collectives, in the order every rank issues them:
 
-* at the first step only: one all_gather of the scaler's settings and state, so that ranks
-  configured differently stop with an error naming the differences instead of diverging;
-* per optimizer per iteration: one asynchronous ``all_reduce(MAX)`` of a 0-dim float flag,
-  started as soon as the gradients are checked and waited on only where the step decision
-  needs it;
-* per skipped optimizer step only: one all_gather of the local flags, to name the ranks whose
-  gradients overflowed.
+* at the first step, and at the first step after ``load_state_dict``: one gather of the
+  scaler's settings and state per group, so that ranks configured or restored differently
+  stop with an error naming the ranks and the differences instead of diverging;
+* per optimizer per iteration: one ``all_reduce(MAX)`` of a 0-dim float flag per group (the
+  last one asynchronous), started as soon as the gradients are checked and waited on only where
+  the step decision needs it;
+* per skipped optimizer step only: one gather of the local flags per group, to name the ranks
+  whose gradients overflowed.
 
 Every rank must therefore call the scaler's methods in the same order, as training loops do.
 
@@ -33,7 +41,7 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,13 +49,13 @@ import torch.distributed as dist
 
 from .errors import InvalidConfigError
 
-__all__ = ["RankAgreement", "SettingValue"]
+__all__ = ["GroupSpec", "RankAgreement", "SettingValue"]
+
+GroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup]
+"""What ``process_group=`` takes: one group, or several whose union must agree."""
 
 SettingValue = float | int | bool | None | torch.Tensor
 """A setting compared across ranks: a Python number, ``None``, or a 0-dim tensor."""
-
-_NONE = -1.0  # every setting is >= 0, so -1 encodes None unambiguously
-
 
 def _require_group(group: object) -> dist.ProcessGroup:
     if not dist.is_available():
@@ -64,7 +72,7 @@ def _require_group(group: object) -> dist.ProcessGroup:
         )
     outside = dist.GroupMember.NON_GROUP_MEMBER
     if (isinstance(group, int) and group == outside) or (
-        isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
+        isinstance(group, dist.ProcessGroup) and _rank_in(group) < 0
     ):
         raise InvalidConfigError(
             f"This process (rank {dist.get_rank()}) is not a member of process_group (new_group() "
@@ -73,86 +81,131 @@ def _require_group(group: object) -> dist.ProcessGroup:
         )
     if not isinstance(group, dist.ProcessGroup):
         raise InvalidConfigError(
-            "process_group must be a torch.distributed.ProcessGroup (for example "
-            f"torch.distributed.group.WORLD or one from new_group()), got {group!r}."
+            "process_group must be a torch.distributed.ProcessGroup or a list of them (for "
+            f"example torch.distributed.group.WORLD, or groups from new_group()), got {group!r}."
         )
     return group
 
 
+def _rank_in(group: dist.ProcessGroup) -> int:
+    """This process's rank in ``group`` (< 0: not a member).
+
+    Raises:
+        InvalidConfigError: the group was destroyed.
+    """
+    try:
+        return int(dist.get_rank(group))
+    except (ValueError, RuntimeError) as error:
+        raise InvalidConfigError(
+            f"process_group {group!r} cannot be used ({error}); it was probably destroyed "
+            "(destroy_process_group). Pass a live group, and destroy it only after training."
+        ) from error
+
+
+def _distinct_groups(spec: object) -> tuple[dist.ProcessGroup, ...]:
+    """The groups of ``spec`` that add something: repeats and groups whose ranks lie within
+    another given group are dropped (reducing over the larger one covers them)."""
+    if isinstance(spec, (list, tuple)):
+        if not spec:
+            raise InvalidConfigError(
+                "process_group is an empty list; pass the groups whose ranks must agree, or "
+                "None for none."
+            )
+        groups = [_require_group(group) for group in spec]
+    else:
+        groups = [_require_group(spec)]
+    members = [frozenset(dist.get_process_group_ranks(group)) for group in groups]
+    kept = []
+    for index, ranks in enumerate(members):
+        covered = any(
+            (ranks < other) or (ranks == other and other_index < index)
+            for other_index, other in enumerate(members)
+            if other_index != index
+        )
+        if not covered:
+            kept.append(groups[index])
+    return tuple(kept)
+
+
 class RankAgreement:
-    """Makes the ranks of ``group`` agree on each step's inf/NaN verdict.
+    """Makes the ranks of ``groups`` agree on each step's inf/NaN verdict.
 
     ``launch`` starts a max-reduction of a rank's local flag and returns the tensor that will
     hold the agreed flag; ``settle`` waits for every reduction launched so far (with NCCL the
-    wait is a stream dependency, not a host sync). ``check_settings`` (once, at the first step)
-    and ``ranks_with_overflow`` (on skipped steps) read from the device: host syncs.
+    wait is a stream dependency, not a host sync). ``check_settings`` (at the first step) and
+    ``ranks_with_overflow`` (on skipped steps) read from the device: host syncs.
+
+    Args:
+        groups: one process group, or several (see the module docstring).
 
     Raises:
         InvalidConfigError: (a ``ValueError``, as torch raises for an uninitialized default
-            group) torch.distributed not initialized, ``group`` not a process group, or this
-            rank not a member of it.
+            group) torch.distributed not initialized, an empty list, something that is not a
+            process group, a destroyed group, or a group this rank is not a member of.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = _require_group(group)
-        self._global_ranks = tuple(dist.get_process_group_ranks(group))
+    def __init__(self, groups: GroupSpec) -> None:
+        self._groups = _distinct_groups(groups)
         self._pending: list[dist.Work] = []
         self.checked = False
 
     @property
-    def group(self) -> dist.ProcessGroup:
-        """The process group the flags are reduced over."""
-        return self._group
+    def groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups the flags are reduced over, in order (repeats and contained ones left
+        out)."""
+        return self._groups
+
+    def _gather(self, value: Any) -> dict[int, Any]:
+        """Every rank's ``value`` that the groups reach, by global rank: gathered over one
+        group after the other, each time with everything known so far, so that for groups
+        forming a grid every rank ends up knowing every rank of the grid."""
+        known = {dist.get_rank(): value}
+        for group in self._groups:
+            parts: list[dict[int, Any] | None] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, known, group=group)
+            for part in parts:
+                if part is not None:
+                    known.update(part)
+        return known
 
     def check_settings(self, settings: Mapping[str, SettingValue]) -> None:
-        """Stop every rank, naming the differences, if the ranks' ``settings`` differ.
+        """Stop every rank, naming the differences and the ranks, if the ranks' ``settings``
+        differ.
 
-        Every rank of the group must call this at the same point (the scaler does it at the
-        first step). Tensor values are gathered from their device; one host sync.
+        Every rank of the groups must call this at the same point (the scaler does it at the
+        first step, and again at the first step after a checkpoint is loaded). Tensor values
+        are read from their device; one host sync, and one gather per group.
 
         Raises:
             InvalidConfigError: naming each differing setting and its value on every rank.
         """
-        names = list(settings)
-        values = [settings[name] for name in names]
-        device = next(
-            (v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu")
-        )
-        row = torch.stack(
-            [
-                v.detach().to(device=device, dtype=torch.float64).reshape(())
-                if isinstance(v, torch.Tensor)
-                else torch.tensor(_NONE if v is None else float(v), dtype=torch.float64,
-                                  device=device)
-                for v in values
-            ]
-        )
-        rows = [torch.empty_like(row) for _ in self._global_ranks]
-        dist.all_gather(rows, row, group=self._group)
-        table = torch.stack(rows).cpu().tolist()
+        row = {name: _plain(value) for name, value in settings.items()}
+        table = self._gather(row)
         differing = [
-            self._describe(name, values[column], [r[column] for r in table])
-            for column, name in enumerate(names)
-            if any(r[column] != table[0][column] for r in table)
+            self._describe(name, settings[name], {rank: table[rank][name] for rank in table})
+            for name in row
+            if any(table[rank][name] != row[name] for rank in table)
         ]
         if differing:
             raise InvalidConfigError(
-                "GradScaler settings differ across the ranks of process_group, so their scales "
-                f"would diverge: {'; '.join(differing)}. Construct the scaler with the same "
-                "arguments on every rank, and load the same state_dict on every rank or on none."
+                "GradScaler settings or state differ across the ranks of process_group, so "
+                f"their scales would diverge: {'; '.join(differing)}. Construct the scaler with "
+                "the same arguments on every rank, and load the same state_dict on every rank "
+                "or on none."
             )
         self.checked = True
 
-    def _describe(self, name: str, local: SettingValue, column: list[float]) -> str:
+    @staticmethod
+    def _describe(name: str, local: SettingValue, column: dict[int, float | None]) -> str:
         integral = isinstance(local, (bool, int)) or (
             isinstance(local, torch.Tensor) and not local.is_floating_point()
         )
-        by_value: dict[float, list[int]] = {}
-        for group_rank, value in enumerate(column):
-            by_value.setdefault(value, []).append(self._global_ranks[group_rank])
+        by_value: dict[float | None, list[int]] = {}
+        for rank in sorted(column):
+            by_value.setdefault(column[rank], []).append(rank)
         parts = []
         for value, ranks in by_value.items():
-            if value == _NONE:
+            if value is None:
                 shown = "None"
             elif isinstance(local, bool):
                 shown = str(bool(value))
@@ -172,8 +225,8 @@ class RankAgreement:
         held no gradients, and takes part with a zero flag).
 
         Returns ``(local, agreed)``: this rank's flag on ``device``, and the tensor that holds
-        the group's verdict once :meth:`settle` has returned. The first call compares the
-        ranks' ``settings()`` (a host sync, once).
+        the groups' verdict once :meth:`settle` has returned. The first call (and the first
+        after :meth:`recheck`) compares the ranks' ``settings()`` (a host sync).
         """
         if not self.checked:
             self.check_settings(settings())
@@ -182,17 +235,35 @@ class RankAgreement:
             local = torch.zeros((), dtype=torch.float32, device=device)
         return local, self.launch(local)
 
+    def recheck(self) -> None:
+        """Compare the settings and state again at the next step (after a checkpoint load)."""
+        self.checked = False
+
     def launch(self, local_flag: torch.Tensor) -> torch.Tensor:
-        """Start max-reducing ``local_flag`` (0-dim float) over the group; return the result tensor.
+        """Start max-reducing ``local_flag`` (0-dim float) over the groups; return the result
+        tensor.
 
         ``local_flag`` itself is left unchanged. The returned tensor holds the agreed flag once
-        :meth:`settle` has returned. No host sync.
+        :meth:`settle` has returned. With several groups, the reductions before the last are
+        waited for in order (with NCCL a stream dependency). No host sync with NCCL.
         """
         agreed = local_flag.clone()
-        work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        *first, last = self._groups
+        for group in first:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=last, async_op=True)
         assert work is not None
         self._pending.append(work)
         return agreed
+
+    def sum_(self, values: torch.Tensor) -> int:
+        """Sum ``values`` in place over the groups, one after the other (for groups forming a
+        grid: over the whole grid); returns how many ranks were summed, for averages."""
+        ranks = 1
+        for group in self._groups:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+            ranks *= dist.get_world_size(group)
+        return ranks
 
     def settle(self) -> None:
         """Wait for every reduction launched so far.
@@ -207,9 +278,9 @@ class RankAgreement:
     def decide(
         self, local_flag: torch.Tensor | None, agreed: torch.Tensor
     ) -> tuple[bool, tuple[int, ...]]:
-        """Wait for the group's verdict and read it (a host sync): whether every rank skips,
+        """Wait for the groups' verdict and read it (a host sync): whether every rank skips,
         and then the ranks whose own ``local_flag`` was set (:meth:`ranks_with_overflow`, a
-        collective every rank of the group makes, as all of them skip together)."""
+        collective every rank makes, as all of them skip together)."""
         self.settle()
         if not bool(agreed.item()):
             return False, ()
@@ -217,21 +288,17 @@ class RankAgreement:
         return True, self.ranks_with_overflow(local_flag)
 
     def ranks_with_overflow(self, local_flag: torch.Tensor) -> tuple[int, ...]:
-        """The global ranks whose ``local_flag`` was set (an all_gather and a host sync).
+        """The global ranks whose ``local_flag`` was set (a host sync, and one gather per
+        group).
 
-        Every rank of the group must call this at the same point: the scaler does it on
+        Every rank of the groups must call this at the same point: the scaler does it on
         skipped steps only, which all ranks skip together.
         """
-        flag = local_flag.detach().reshape(1).float()
-        flags = [torch.empty_like(flag) for _ in self._global_ranks]
-        dist.all_gather(flags, flag, group=self._group)
-        gathered = torch.cat(flags).cpu().tolist()
-        return tuple(
-            rank for rank, value in zip(self._global_ranks, gathered, strict=True) if value > 0
-        )
+        flags = self._gather(float(local_flag.detach().float().item()))
+        return tuple(rank for rank in sorted(flags) if flags[rank] > 0)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RankAgreement:
-        # Process groups cannot be copied: a copied scaler agrees over the same group.
+        # Process groups cannot be copied: a copied scaler agrees over the same groups.
         twin = RankAgreement.__new__(RankAgreement)
         twin.__dict__.update(self.__dict__, _pending=[])
         return twin
@@ -242,3 +309,12 @@ class RankAgreement:
             "cannot; save scaler.state_dict() instead and load it into a scaler constructed "
             "with the group."
         )
+
+
+def _plain(value: SettingValue) -> float | None:
+    """A setting as a Python number (``None`` stays ``None``); reads a tensor (a sync)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().double().item())
+    return float(value)

@@ -39,14 +39,17 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 
-from .errors import InvalidConfigError
+from .distributed import RankAgreement
+from .errors import InvalidConfigError, InvalidStateDictError
 from .grads.collect import GradGroups
 
 __all__ = ["Guard", "GuardSet", "SpikeGuard", "StepMeasurements"]
@@ -78,6 +81,9 @@ class Guard(Protocol):
     a 0-dim bool tensor (``True``: skip this optimizer's step); it must not read tensors back
     to the host. ``end_iteration`` is called at ``update()`` with whether the iteration was
     skipped (a 0-dim bool tensor, for any reason), so a guard can learn from the steps taken.
+
+    A guard that also has ``state_dict()`` (returning JSON-ready data) and
+    ``load_state_dict(state)`` is saved and restored with the scaler's ``state_dict``.
     """
 
     def check(self, measured: StepMeasurements) -> torch.Tensor: ...
@@ -107,6 +113,31 @@ class _Window:
         std = (spread / (held - 1).clamp(min=1)).sqrt()
         return ((self.count >= ready_after) & (values > mean + sigma * std)).any()
 
+    def state(self) -> dict[str, Any]:
+        """The values and counts as Python lists (a host sync)."""
+        return {"values": self.values.tolist(), "count": self.count.tolist()}
+
+    @staticmethod
+    def check_state(state: Mapping[str, Any], size: int) -> None:
+        """Raise :class:`~ampscaler.InvalidStateDictError` unless ``state`` is a window of
+        ``size`` values per row (2 rows), as :meth:`state` writes it."""
+        values, count = state.get("values"), state.get("count")
+        rows_ok = (
+            isinstance(values, list)
+            and len(values) == 2
+            and all(isinstance(row, list) and len(row) == size for row in values)
+        )
+        if not (rows_ok and isinstance(count, list) and len(count) == 2):
+            raise InvalidStateDictError(
+                f"A SpikeGuard window in the checkpoint is not 2 rows of {size} values with "
+                "their counts; it was saved by another version, or edited."
+            )
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Take the values and counts of :meth:`state` (in place)."""
+        self.values.copy_(torch.tensor(state["values"], dtype=torch.float32))
+        self.count.copy_(torch.tensor(state["count"], dtype=torch.int64))
+
     def push(self, values: torch.Tensor, keep: torch.Tensor) -> None:
         """Append each row's value where ``keep`` (bool per row), overwriting the oldest."""
         at = self.count % self._size
@@ -130,8 +161,10 @@ class SpikeGuard:
 
     Cost on every step: one read-only pass over the gradients (``torch._foreach_norm``) and a
     few operations on ``window``-long tensors; with a scaler ``process_group`` one
-    ``all_reduce`` of two numbers per optimizer. The windows are not saved in the scaler's
-    ``state_dict``: after a restart, or when the guard is added mid-run, it warms up again.
+    ``all_reduce`` of two numbers per optimizer and group. The windows are saved with the
+    scaler's ``state_dict`` and restored by ``load_state_dict`` (to the optimizers in the order
+    they first step), so a resumed run decides exactly as an uninterrupted one; a guard added
+    mid-run warms up then.
 
     Args:
         sigma: how many standard deviations above the mean count as a spike (> 0).
@@ -175,6 +208,8 @@ class SpikeGuard:
         self.warmup = window if warmup is None else warmup
         self._windows: dict[int, _Window] = {}
         self._pending: dict[int, torch.Tensor] = {}
+        # Windows from a loaded state dict, for the optimizers in the order they first step.
+        self._restored: list[dict[str, Any]] = []
 
     def check(self, measured: StepMeasurements) -> torch.Tensor:
         """Whether the step spikes (a 0-dim bool tensor on the device; no sync)."""
@@ -185,6 +220,8 @@ class SpikeGuard:
         window = self._windows.get(key)
         if window is None:  # each optimizer's own: its gradient norm, and the loss
             window = self._windows[key] = _Window(2, self.window, norm.device)
+            if self._restored:
+                window.load(self._restored.pop(0))
         self._pending[key] = values
         return window.exceeds(values, self.sigma, max(self.warmup, 2))
 
@@ -194,6 +231,40 @@ class SpikeGuard:
             window = self._windows[key]
             window.push(values, ~skipped.to(values.device) & torch.isfinite(values))
         self._pending.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The settings and the windows (per optimizer, in the order they first stepped), as
+        JSON-ready data. Reads the windows from the device (a host sync)."""
+        return {
+            "kind": type(self).__name__,
+            "sigma": self.sigma,
+            "window": self.window,
+            "warmup": self.warmup,
+            "windows": [window.state() for window in self._windows.values()] + self._restored,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the settings and windows of :meth:`state_dict`; each window goes to the next
+        optimizer that steps for the first time.
+
+        Raises:
+            InvalidStateDictError: not a SpikeGuard's state, or windows of another size.
+        """
+        if state.get("kind") != type(self).__name__:
+            raise InvalidStateDictError(
+                f"The checkpoint holds the state of a {state.get('kind')!r} where this scaler "
+                f"has a {type(self).__name__}: add the same guards, in the same order, before "
+                "loading."
+            )
+        try:
+            restored = SpikeGuard(state["sigma"], state["window"], state["warmup"])
+            windows = [dict(w) for w in state["windows"]]
+        except (KeyError, TypeError, InvalidConfigError) as error:
+            raise InvalidStateDictError(f"Invalid SpikeGuard state: {error}") from error
+        for window in windows:
+            _Window.check_state(window, restored.window)
+        self.sigma, self.window, self.warmup = restored.sigma, restored.window, restored.warmup
+        self._windows, self._pending, self._restored = {}, {}, windows
 
     def __repr__(self) -> str:
         return f"SpikeGuard(sigma={self.sigma}, window={self.window}, warmup={self.warmup})"
@@ -255,24 +326,25 @@ class GuardSet:
         groups: GradGroups,
         unscaled_by: torch.Tensor,
         loss: torch.Tensor | None,
-        group: dist.ProcessGroup | None,
+        agreement: RankAgreement | None,
     ) -> torch.Tensor:
         """Ask every guard about ``optimizer``'s step; the flag (0-dim float32, 1.0: skip).
 
         ``groups`` hold the gradients as checked; dividing them by ``unscaled_by`` gives the
-        true gradients. With a ``group``, the squared norm is summed and the loss averaged over
-        its ranks first (one ``all_reduce``), so every rank decides alike. No host sync.
+        true gradients. With an ``agreement`` (the scaler's ``process_group``), the squared norm
+        is summed and the loss averaged over its ranks first (one ``all_reduce`` per group),
+        so every rank decides alike. No host sync.
         """
         device = unscaled_by.device
         norm = _grad_norm(groups, device) / unscaled_by
         if loss is not None:
             loss = loss.to(device, torch.float32)
-        if group is not None:
+        if agreement is not None:
             packed = torch.stack([norm.square(), torch.zeros_like(norm) if loss is None else loss])
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+            ranks = agreement.sum_(packed)
             norm = packed[0].sqrt()
             if loss is not None:
-                loss = packed[1] / dist.get_world_size(group)
+                loss = packed[1] / ranks
         measured = StepMeasurements(optimizer, norm, loss)
         flag = torch.zeros((), dtype=torch.bool, device=device)
         for guard in self._guards:
@@ -283,3 +355,45 @@ class GuardSet:
         """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
         for guard in self._guards:
             guard.end_iteration(skipped)
+
+    def state_dict(self) -> str:
+        """The guards' states, in the order they were added, as one JSON string (a single
+        value, so that a checkpoint's layout does not depend on how many optimizers stepped:
+        ``torch.distributed.checkpoint`` loads into a layout it is given)."""
+        return json.dumps([_guard_state(guard) for guard in self._guards])
+
+    def load_state_dict(self, text: object) -> None:
+        """Restore what :meth:`state_dict` saved into the guards added now, in order.
+
+        A checkpoint with more guards than this scaler has warns (their state is dropped);
+        guards this scaler has beyond the checkpoint's start their warm-up.
+
+        Raises:
+            InvalidStateDictError: ``text`` is not such a JSON list, or a guard's state does not
+                fit the guard in its place.
+        """
+        try:
+            states = json.loads(text) if isinstance(text, str) else None
+        except ValueError:
+            states = None
+        if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
+            raise InvalidStateDictError(
+                f"guards must be the JSON list that state_dict() writes, got {text!r:.80}."
+            )
+        if len(states) > len(self._guards):
+            warnings.warn(
+                f"The checkpoint holds the state of {len(states)} guard(s), this scaler has "
+                f"{len(self._guards)}: the state of the others is dropped. Add the same guards "
+                "before load_state_dict() to keep it.",
+                UserWarning,
+                stacklevel=4,
+            )
+        for guard, state in zip(self._guards, states, strict=False):
+            load = getattr(guard, "load_state_dict", None)
+            if load is not None:
+                load(state)
+
+
+def _guard_state(guard: Guard) -> dict[str, Any]:
+    save = getattr(guard, "state_dict", None)
+    return {"kind": type(guard).__name__} if save is None else dict(save())

@@ -37,7 +37,7 @@ from .compat import (
     scale_nested,
     step_fused,
 )
-from .distributed import RankAgreement, SettingValue
+from .distributed import GroupSpec, RankAgreement, SettingValue
 from .errors import InvalidConfigError, PersistentOverflowError, ScalerUsageError
 from .grads.check import FusedRoute, check_and_unscale_
 from .grads.collect import GradGroups, collect
@@ -158,8 +158,9 @@ class GradScaler(
         probe_every: shorthand for ``attach(GradientProbe(every=probe_every))``.
         trace_nonfinite: shorthand for ``attach(NonFiniteTracer())``.
         process_group: a ``torch.distributed`` group whose ranks must agree on overflow (FSDP,
-            ZeRO, tensor or pipeline parallelism; not needed with DDP): each optimizer's flag is
-            max-reduced over it before the step decision. One asynchronous all_reduce per
+            ZeRO, tensor or pipeline parallelism; not needed with DDP), or a list of groups
+            whose union must (Megatron's tensor- and data-parallel groups): each optimizer's
+            flag is max-reduced over them before the step decision. One all_reduce per group,
             optimizer and iteration; see :mod:`ampscaler.distributed` and docs/distributed.md.
         flat_grads: move gradients that stay the same tensors from step to step into one flat
             buffer per device and dtype, so the check runs as one kernel (see
@@ -191,7 +192,7 @@ class GradScaler(
         history_size: int = 0,
         probe_every: int | None = None,
         trace_nonfinite: bool = False,
-        process_group: torch.distributed.ProcessGroup | None = None,
+        process_group: GroupSpec | None = None,
         flat_grads: bool = False,
     ) -> None:
         rule = {
@@ -403,9 +404,12 @@ class GradScaler(
         and start agreeing on the flag across ranks. No host sync."""
         found_inf = check_and_unscale_(groups, multiplier, state.device)
         if self._guards:
-            group = None if self._agreement is None else self._agreement.group
             record.spike = self._guards.check(
-                record.optimizer, groups, multiplier * state.scale, self._monitor.loss(), group
+                record.optimizer,
+                groups,
+                multiplier * state.scale,
+                self._monitor.loss(),
+                self._agreement,
             )
         if self._agreement is not None:
             record.local_found_inf, found_inf = self._agreement.agree(
