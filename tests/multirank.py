@@ -93,7 +93,7 @@ def train_sharded(
     *,
     optimizer: str,
     inject: Mapping[int, Iterable[int]],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | list[dist.ProcessGroup] | None,
 ) -> Trace:
     """ZeRO-2 style training; ``inject[step]`` lists the ranks that overflow at ``step``."""
     torch.manual_seed(0)
@@ -305,8 +305,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_SHARED_DIR: list[str] = []
+
+
+def shared_dir() -> str:
+    """A folder every rank of this launch sees (for checkpoints); removed after the launch."""
+    return _SHARED_DIR[0]
+
+
 def _run_rank(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
     torch.set_num_threads(1)
+    _SHARED_DIR[:] = [out_dir]
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
