@@ -4,6 +4,10 @@ safety, a changed world size and tensor parallelism, on real gloo ranks (see
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,3 +126,29 @@ def test_an_overflow_in_one_tensor_parallel_shard_skips_on_every_rank(
     assert rank0.scales == rank1.scales
     assert rank0.overflow_ranks == rank1.overflow_ranks == {1: (1,)}
     assert "0.weight" in rank1.reports[1]
+
+
+# ---------------------------------------------------------------- the example, under torchrun
+
+
+def _torchrun(*args: str) -> str:
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(root / "examples" / "fsdp2.py"), *args],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_fsdp2_example_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
+    folder = str(tmp_path / "ckpt")
+    first = _torchrun("--steps", "6", "--save-at", "3", "--checkpoint", folder)
+    resumed = _torchrun("--steps", "6", "--resume", "--checkpoint", folder)
+    assert "step 2: nonfinite" in first and "saved after 3 steps" in first
+    assert "resumed after 3 steps" in resumed
+    checksums = [out.strip().splitlines()[-1] for out in (first, resumed)]
+    assert checksums[0].startswith("checksum ") and checksums[0] == checksums[1]
