@@ -237,9 +237,9 @@ class LiveState:
         hysteresis_left: int | None = None,
         stats: ScalerStats | None = None,
     ) -> None:
-        self.tensors: ScaleState = initial_state(
-            policy, scale, device, growth_tracker, hysteresis_left
-        )
+        tensors = initial_state(policy, scale, device, growth_tracker, hysteresis_left)
+        assert isinstance(tensors, ScaleState)  # policy_from_arguments takes no HeadroomPolicy
+        self.tensors: ScaleState = tensors
         # The same tensor objects for the state's lifetime, by name.
         self.scale, self.growth_tracker, self.hysteresis_left = self.tensors
         self.device = self.scale.device
