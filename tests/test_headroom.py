@@ -1,22 +1,32 @@
-"""HeadroomPolicy: the pure transition against a reference model.
+"""HeadroomPolicy: the pure transition against a reference model, and the policy in a scaler.
 
 - ``adjust`` equals tests/headroom_reference.py after every update, for any configuration and
   any mix of overflows, measurements, non-finite measurements and unmeasured iterations;
   ``update_`` (in place, with its fast path) equals ``adjust``; neither modifies its input.
 - A scripted sequence of measurements gives the scales worked out by hand.
+- In a scaler: the first measurement sets the scale whatever ``init_scale`` was (no warm-up
+  skip), a real overflow still backs off and is remembered, what is measured (activation and
+  float16-computed parameter gradients; nothing before ``scale()``), the sampling schedule,
+  the fused one-pass route, ``update(new_scale)``, exact resume, checkpoint interchange with
+  torch and with other policies, pickling, and ``torch.compile``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampscaler
-from ampscaler import HeadroomPolicy, ScalePolicy
+from ampscaler import GradScaler, HeadroomPolicy, ScalePolicy
+from ampscaler.headroom import HeadroomMeter
 from ampscaler.policy import HeadroomState, initial_state
 from headroom_reference import FP16_MAX, HeadroomRef
 from reference import f32
@@ -182,3 +192,322 @@ def test_bad_configurations_are_refused_naming_the_argument(
 def test_adjust_refuses_another_policys_state() -> None:
     with pytest.raises(TypeError, match="HeadroomState"):
         HeadroomPolicy().adjust(initial_state(ScalePolicy(), 1.0, CPU), torch.tensor(0.0))
+
+
+# ---------------------------------------------------------------------------- in a scaler
+
+
+class Net(torch.nn.Module):
+    """Linear -> tanh -> linear under fp16 autocast; a summed loss makes its gradients large,
+    so float16 overflows from a scale of about 2**9."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = torch.nn.Linear(16, 16)
+        self.act = torch.nn.Tanh()
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.hidden(x)))
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+
+
+def _train(
+    scaler: GradScaler | torch.amp.GradScaler,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    poison: frozenset[int] = frozenset(),
+) -> list[tuple[float, bool]]:
+    """Train ``steps``; per step the scale it used and whether it was skipped."""
+    seen = []
+    for step in steps:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(_batch(step)).float() * 4.0).sum()
+        before = scaler.get_scale()
+        scaler.scale(loss).backward()
+        if step in poison:
+            model.out.bias.grad.fill_(float("inf"))  # type: ignore[union-attr,operator]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        seen.append((before, scaler.get_scale() < before))
+    return seen
+
+
+def _rig(
+    policy: HeadroomPolicy | None = None, fused: bool = False, **kwargs: object
+) -> tuple[GradScaler, Net, torch.optim.Optimizer]:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    scaler = GradScaler("cpu", policy=policy or HeadroomPolicy(), **kwargs)  # type: ignore[arg-type]
+    scaler.watch(model)
+    return scaler, model, opt
+
+
+def test_the_first_measurement_sets_the_scale_whatever_init_scale_so_no_warmup_skips() -> None:
+    for init in (2.0**16, 2.0**32, 3.0e4):
+        scaler, model, opt = _rig(init_scale=init)
+        assert scaler.get_scale() == 1.0  # first_scale: a scale fp16 runs at without scaling
+        seen = _train(scaler, model, opt, range(30))
+        assert not any(skipped for _, skipped in seen)
+        assert 2.0**6 <= seen[1][0] <= 2.0**9  # set by the first measurement, then kept
+    reactive, model = torch.amp.GradScaler("cpu", init_scale=2.0**32), Net()
+    theirs = _train(reactive, model, torch.optim.Adam(model.parameters()), range(30))
+    assert sum(skipped for _, skipped in theirs) >= 20  # torch finds the ceiling by overflowing
+
+
+def test_a_real_overflow_backs_off_at_once_and_the_cap_holds_until_recovery() -> None:
+    policy = HeadroomPolicy(recovery_interval=4, sample_every=1)
+    scaler, model, opt = _rig(policy)
+    seen = _train(scaler, model, opt, range(20), poison=frozenset({8}))
+    scales = [math.log2(scale) for scale, _ in seen]
+    assert [skipped for _, skipped in seen] == [i == 8 for i in range(20)]
+    ceiling = scales[8]
+    assert scales[9:13] == [ceiling - 1] * 4  # capped one binade down for 4 clean steps
+    assert scales[13] == ceiling  # then the cap doubles and the measurement rules again
+    assert scaler.stats.skipped == 1 and scaler.last_overflow is None
+
+
+def test_what_is_measured_activation_and_float16_computed_gradients_only() -> None:
+    # The norm runs in float32 (its input is), the head in float16 under autocast.
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 1, bias=False))
+    with torch.no_grad():
+        model[1].weight.fill_(100.0)  # the norm's bias gradient: 256 rows x 100, in float32
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taps: list[torch.Tensor] = []
+
+    def tap(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: taps.append(g.abs().max().float()))
+
+    for module in model:
+        module.register_forward_hook(tap)
+    watched, alone = HeadroomMeter(HeadroomPolicy()), HeadroomMeter(HeadroomPolicy())
+    watched.watch(model)
+    x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.float16):
+        (model(x).float() * 1e6).sum().backward()  # before scale(): not at the scale, dropped
+    opt.zero_grad(set_to_none=True)
+    taps.clear()
+    watched.start()  # what the scaler's scale() does
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(x).float().sum().backward()
+    watched.measure(opt)
+    alone.measure(opt)
+    by_watch, by_params = watched.take(CPU), alone.take(CPU)
+    assert by_watch is not None and by_params is not None
+    norm_grads = [p.grad.abs().max() for p in model[0].parameters()]  # type: ignore[union-attr]
+    head_grad = model[1].weight.grad.abs().max()  # type: ignore[union-attr]
+    # The activation gradients and the head's (float16) gradient; not the norm's.
+    assert float(by_watch) == float(torch.stack([*taps, head_grad]).max())
+    assert float(torch.stack(norm_grads).max()) > 100 * float(by_watch)
+    # Unwatched, every parameter gradient counts, and nothing else.
+    assert float(by_params) == float(torch.stack([*norm_grads, head_grad]).max())
+
+
+def test_measuring_runs_every_iteration_while_young_then_every_sample_every() -> None:
+    policy = HeadroomPolicy(history_length=3, sample_every=4)
+    scaler, model, opt = _rig(policy)
+    hooked = []
+    for step in range(12):
+        hooked.append(bool(model.hidden._forward_hooks))
+        _train(scaler, model, opt, range(step, step + 1))
+    assert hooked == [policy.measures(i) for i in range(12)]
+    assert [i for i, on in enumerate(hooked) if on] == [0, 1, 2, 6, 10]
+
+
+def test_the_fused_one_pass_route_stays_open() -> None:
+    scaler, model, opt = _rig(fused=True)
+    handed: list[object] = []
+    step = opt.step
+
+    def spy(*args: object, **kwargs: object) -> object:
+        handed.append(getattr(opt, "grad_scale", "none"))
+        return step(*args, **kwargs)
+
+    opt.step = spy  # type: ignore[method-assign]
+    _train(scaler, model, opt, range(24), poison=frozenset({20}))
+    assert handed[-1] is None  # the check pass unscaled: the kernel divides nothing
+    assert scaler._route is not None and scaler._route._watch.exact
+
+
+def test_update_with_a_new_scale_holds_it_until_the_next_measurement() -> None:
+    policy = HeadroomPolicy(history_length=1, sample_every=3)  # measures iterations 0, 3, 6
+    scaler, model, opt = _rig(policy)
+    measured = _train(scaler, model, opt, range(2))[1][0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        scaler.scale(model(_batch(2)).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update(2.0**3)  # not the policy's iteration: the schedule stays at iteration 2
+    opt.zero_grad()
+    later = _train(scaler, model, opt, range(3, 6))
+    assert [scale for scale, _ in later] == [2.0**3, 2.0**3, measured]  # 3 measured at 2**3
+    with pytest.raises(ValueError, match="power of two"):
+        scaler.update(1000.0)
+
+
+def test_setters_of_torchs_rule_are_refused_and_getters_report_the_cap_rule() -> None:
+    scaler = GradScaler("cpu", policy=HeadroomPolicy(recovery_interval=500, backoff_factor=0.25))
+    assert scaler.get_growth_interval() == 500 and scaler.get_backoff_factor() == 0.25
+    with pytest.raises(RuntimeError, match="measured gradients"):
+        scaler.set_growth_factor(4.0)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+POISON = frozenset({5, 17, 18})
+
+
+def test_a_resumed_run_measures_and_scales_exactly_as_the_uninterrupted_one(
+    tmp_path: object,
+) -> None:
+    policy = HeadroomPolicy(history_length=3, sample_every=4, recovery_interval=5)
+    whole, model, opt = _rig(policy)
+    seen = _train(whole, model, opt, range(30), POISON)
+    for stop in (2, 7, 13):
+        scaler, model, opt = _rig(policy)
+        first = _train(scaler, model, opt, range(stop), POISON)
+        saved = {"scaler": scaler.state_dict(), "model": model.state_dict(),
+                 "opt": opt.state_dict()}  # fmt: skip
+        path = f"{tmp_path}/at-{stop}.pt"
+        torch.save(saved, path)
+        loaded = torch.load(path)
+        # Constructed with other settings: the checkpoint's configuration wins.
+        again, model, opt = _rig(HeadroomPolicy(margin=8.0))
+        model.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["opt"])
+        again.load_state_dict(loaded["scaler"])
+        assert again.policy == policy
+        assert first + _train(again, model, opt, range(stop, 30), POISON) == seen
+        assert again.state_dict() == whole.state_dict()  # history, counts, cap: all of it
+
+
+def test_state_dict_holds_the_policy_and_its_state_and_loads_into_torch() -> None:
+    scaler, model, opt = _rig(HeadroomPolicy(recovery_interval=700))
+    _train(scaler, model, opt, range(3))
+    saved = scaler.state_dict()
+    section = saved["headroom"]
+    assert section["iteration"] == 3 and section["measured"] == 3
+    assert len(section["history"]) == 16 and section["target"] == scaler.get_scale()
+    assert section["cap"] == 2.0**127 and section["margin"] == 2.0
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(saved)
+    assert theirs.get_scale() == scaler.get_scale()
+    assert theirs.get_growth_interval() == 700  # the cap's rule
+    # Before the first step the state dict already holds a fresh state.
+    fresh = GradScaler("cpu", policy=HeadroomPolicy()).state_dict()["headroom"]
+    assert fresh["target"] == 1.0 and fresh["measured"] == 0 and fresh["history"] == [0.0] * 16
+
+
+def test_other_policies_checkpoints_load_as_in_torch() -> None:
+    torch_dict = torch.amp.GradScaler("cpu", init_scale=2.0**12).state_dict()
+    scaler, model, opt = _rig()
+    scaler.load_state_dict(torch_dict)  # torch's: the policy stays, nothing measured yet
+    assert isinstance(scaler.policy, HeadroomPolicy)
+    assert scaler.state_dict()["headroom"]["target"] == 2.0**12 == scaler.get_scale()
+    seen = _train(scaler, model, opt, range(2))
+    assert seen[0][0] == 2.0**12 and seen[1][0] != 2.0**12  # then measured
+    scaler.load_state_dict(GradScaler("cpu", hysteresis=2).state_dict())  # ampscaler's: replaced
+    assert scaler.policy == ScalePolicy(hysteresis=2) and "headroom" not in scaler.state_dict()
+    _train(scaler, model, opt, range(2))
+    scaler.load_state_dict(GradScaler("cpu", policy=HeadroomPolicy(margin=4.0)).state_dict())
+    assert scaler.policy == HeadroomPolicy(margin=4.0) and scaler.get_scale() == 1.0
+    assert _train(scaler, model, opt, range(2))[1][0] > 1.0  # measuring again
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"history": [0.0] * 3}, ("headroom['history']", "16")),
+        ({"history": [-1.0] * 16}, ("headroom['history']", ">= 0")),
+        ({"target": 3.0}, ("headroom['target']", "power of two")),
+        ({"cap": 0.0}, ("headroom['cap']",)),
+        ({"iteration": -1}, ("headroom['iteration']", ">= 0")),
+        ({"margin": 0.5}, ("margin", ">= 1")),
+    ],
+)
+def test_a_bad_headroom_section_is_refused_naming_the_key(
+    change: dict[str, object], words: tuple[str, ...]
+) -> None:
+    saved = GradScaler("cpu", policy=HeadroomPolicy()).state_dict()
+    bad = {**saved, "headroom": {**saved["headroom"], **change}}
+    scaler = GradScaler("cpu", policy=HeadroomPolicy())
+    with pytest.raises(ampscaler.InvalidStateDictError) as raised:
+        scaler.load_state_dict(bad)
+    assert all(word in str(raised.value) for word in words), str(raised.value)
+    missing = {**saved, "headroom": {"margin": 2.0}}
+    with pytest.raises(ampscaler.InvalidStateDictError, match="lacks"):
+        scaler.load_state_dict(missing)
+
+
+def test_a_pickled_scaler_goes_on_alike_once_watched_again() -> None:
+    scaler, model, opt = _rig(HeadroomPolicy(sample_every=2))
+    _train(scaler, model, opt, range(20))
+    twin = pickle.loads(pickle.dumps(scaler))
+    twin_model = copy.deepcopy(model)
+    twin_opt = torch.optim.Adam(twin_model.parameters(), lr=1e-3)
+    twin_opt.load_state_dict(opt.state_dict())
+    twin.watch(twin_model)
+    assert twin.state_dict() == scaler.state_dict()
+    assert _train(twin, twin_model, twin_opt, range(20, 30)) == _train(
+        scaler, model, opt, range(20, 30)
+    )
+
+
+def _scales_of_a_step(compiled: bool) -> list[float]:
+    scaler, model, opt = _rig(HeadroomPolicy(history_length=2, sample_every=3))
+
+    def step(x: torch.Tensor, poison: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x).float() * 4.0).sum() * poison
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    fn = torch.compile(step, backend="eager") if compiled else step
+    scales = []
+    for index in range(10):
+        fn(_batch(index), torch.tensor(float("inf") if index == 6 else 1.0))
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_a_compiled_step_scales_as_the_eager_one() -> None:
+    torch._dynamo.reset()
+    try:
+        eager, compiled = _scales_of_a_step(False), _scales_of_a_step(True)
+    finally:
+        torch._dynamo.reset()
+    assert compiled == eager
+    assert min(eager[6:]) < max(eager[:6])  # the overflow backed off
+
+
+# ---------------------------------------------------------------------------- several ranks
+
+
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed gloo and forked ranks",
+)
+def test_two_gloo_ranks_measure_differently_and_agree_on_the_larger() -> None:
+    import headroom_ranks
+    import multirank
+
+    names = ["headroom_agree", "headroom_alone", "headroom_mismatch"]
+    ranks = multirank.spawn(2, names)
+    (scales0, skipped0), (scales1, skipped1) = (r["headroom_agree"] for r in ranks)
+    assert scales0 == scales1 and skipped0 == skipped1  # one scale for the group
+    assert skipped0 == [step == headroom_ranks.POISONED[0] for step in range(12)]
+    # Rank 1's gradients are the larger, so up to rank 0's overflow (which rank 1 alone never
+    # sees) the group's scale is the one rank 1 sets alone, and rank 0 alone would set more.
+    alone = [headroom_ranks.train(rank, None, headroom_ranks.POLICY)[0] for rank in (0, 1)]
+    assert alone[1][:8] == scales1[:8]
+    assert all(mine > ours for mine, ours in zip(alone[0][1:8], scales0[1:8], strict=True))
+    for rank in ranks:
+        assert "process_group=" in rank["headroom_alone"]
+        assert "headroom.margin is 2 on rank 0, 4 on rank 1" in rank["headroom_mismatch"]

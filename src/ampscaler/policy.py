@@ -712,10 +712,10 @@ def policy_from_arguments(policy: object, dynamic: object, rule: dict[str, Any])
     shorthands (``dynamic`` and ``rule``: :class:`ScalePolicy`'s fields as given)."""
     changed = [name for name, value in rule.items() if value != _RULE_DEFAULTS[name]]
     if policy is not None:
-        if not isinstance(policy, (ScalePolicy, StaticPolicy)):
+        if not isinstance(policy, (ScalePolicy, StaticPolicy, HeadroomPolicy)):
             raise InvalidConfigError(
-                "policy must be an ampscaler.ScalePolicy or ampscaler.StaticPolicy, got "
-                f"{type(policy).__name__}."
+                "policy must be an ampscaler.ScalePolicy or ampscaler.StaticPolicy (or an "
+                f"ampscaler.HeadroomPolicy), got {type(policy).__name__}."
             )
         if changed or dynamic is not True:
             raise InvalidConfigError(

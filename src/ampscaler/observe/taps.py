@@ -132,6 +132,15 @@ class GradTaps:
             handle.remove()
         self._handles = []
 
+    def arm(self, due: bool, models: WatchedModels) -> None:
+        """Hooks on ``models`` when ``due`` (registered if missing), none otherwise: what an
+        observer that measures some iterations does at the end of each."""
+        if due and not self.attached:
+            for model, prefix in models:
+                self.attach(model, prefix)
+        elif self.attached and not due:
+            self.detach()
+
     def _forward(
         self, name: str, module: torch.nn.Module, args: tuple[object, ...], output: object
     ) -> None:
