@@ -1,7 +1,7 @@
 """A pure-Python model of HeadroomPolicy's transition, for property tests.
 
 Written from the rule in the issue and the class docstring, not from ``ampscaler.policy``:
-plain ``if`` statements on Python numbers, no tensors. Float32 values (the scale, the cap, the
+plain ``if`` statements on Python numbers, no tensors. Float32 values (the scale, the allowance, the
 target) are held in Python floats after rounding them to float32; the history is float64, as
 Python's floats are::
 
@@ -11,9 +11,9 @@ Python's floats are::
         history[stored % length] = measured / scale; stored += 1
     if measured and max(history) > 0:
         target = 2**clamp(exponent of the largest power of two <= 65504 / (peak * margin))
-    cap = scale if trouble else cap, then torch's rule on it (backoff; growth 2 every
-          recovery_interval clean steps), never below the lowest scale
-    scale = min(target, cap); iteration += 1
+    torch's rule on the allowance (backoff on trouble; growth 2 every recovery_interval clean
+          steps), kept within [2**-126, 1]
+    scale = max(f32(target * allowance), lowest); iteration += 1
 
 Example:
     >>> ref = HeadroomRef(margin=2.0, history_length=2)
@@ -44,7 +44,7 @@ class HeadroomRef:
     max_scale: float | None = None
     scale: float = field(init=False)
     tracker: int = 0
-    cap: float = 2.0**127
+    allowance: float = 1.0
     target: float = field(init=False)
     history: list[float] = field(init=False)
     stored: int = 0
@@ -77,18 +77,18 @@ class HeadroomRef:
                 room = FP16_MAX / (peak * self.margin)
                 exponent = math.frexp(room)[1] - 1  # the largest 2**e <= room
                 self.target = min(max(2.0**exponent, self.lowest), self.highest)
-        cap = self.scale if trouble else self.cap
+        allowance = self.allowance
         if trouble:
-            cap = f32(cap * self.backoff_factor)
+            allowance = f32(allowance * self.backoff_factor)
             self.tracker = 0
         else:
             self.tracker += 1
             if self.tracker == self.recovery_interval:
                 self.tracker = 0
-                grown = f32(cap * 2.0)
+                grown = f32(allowance * 2.0)
                 if math.isfinite(grown):
-                    cap = grown
-        self.cap = max(cap, self.lowest)
-        self.scale = min(self.target, self.cap)
+                    allowance = grown
+        self.allowance = min(max(allowance, 2.0**-126), 1.0)
+        self.scale = max(f32(self.target * self.allowance), self.lowest)
         self.iteration += 1
         return self

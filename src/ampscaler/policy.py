@@ -344,6 +344,8 @@ def pow2_exponent(value: float | None) -> int | None:
 #: The exponents of the scales a :class:`HeadroomPolicy` may set without bounds: float32's normal
 #: range, where ``1/scale`` is exact.
 HEADROOM_EXPONENTS = (-126, 127)
+#: The smallest allowance a :class:`HeadroomPolicy` keeps (overflows cannot drive it to 0).
+LOWEST_ALLOWANCE = 2.0**-126
 
 
 class HeadroomState(NamedTuple):
@@ -352,12 +354,14 @@ class HeadroomState(NamedTuple):
     The first three are :class:`ScaleState`'s.
 
     Attributes:
-        scale: float32, the current loss scale (always a power of two): ``min(target, cap)``.
+        scale: float32, the current loss scale (always a power of two):
+            ``max(target * allowance, min_scale)``.
         growth_tracker: int32, clean steps in a row since the last overflow or the last
-            doubling of ``cap`` (torch's growth tracker, driving ``cap``).
+            doubling of ``allowance`` (torch's growth tracker, driving ``allowance``).
         hysteresis_left: int32, always 1 (every overflow backs off).
-        cap: float32, the limit overflows set: backed off from the scale at each overflow,
-            doubled after each ``recovery_interval`` clean steps; ``2**127`` until the first.
+        allowance: float32, the share of ``target`` that overflows leave (a power of two, at
+            most 1): backed off at each overflow, doubled after each ``recovery_interval``
+            clean steps; 1 until the first overflow.
         target: float32, the scale the measurements allow (``first_scale`` until the first).
         history: float64 ``[history_length]``, the largest gradient of each measured iteration
             divided by the scale it was measured at (a ring; 0 marks an empty slot).
@@ -369,7 +373,7 @@ class HeadroomState(NamedTuple):
     scale: torch.Tensor
     growth_tracker: torch.Tensor
     hysteresis_left: torch.Tensor
-    cap: torch.Tensor
+    allowance: torch.Tensor
     target: torch.Tensor
     history: torch.Tensor
     measured: torch.Tensor
@@ -402,9 +406,10 @@ class HeadroomPolicy:
     policy measures how far the largest scaled gradients are from float16's largest value
     (65504) and sets the scale to the largest power of two that keeps ``margin`` between them,
     so it grows without overflowing. A real overflow still backs off at once: torch's rule runs
-    alongside on a cap (backed off from the scale at each overflow, doubled after each
-    ``recovery_interval`` clean steps), and the scale is the smaller of the two. Until
-    something overflows, the cap plays no part.
+    alongside on an allowance, the share of that target the scale may use (backed off at each
+    overflow, doubled after each ``recovery_interval`` clean steps, at most 1). Until something
+    overflows the allowance is 1; after an overflow the scale goes on following the
+    measurements, a binade below them until the allowance recovers.
 
     What is measured (by the scaler, see :mod:`ampscaler.headroom`): the largest magnitude of
     the gradients arriving at the outputs of the leaf modules of the models given to
@@ -425,16 +430,17 @@ class HeadroomPolicy:
         if measured and max(history) > 0:
             target = the largest 2**e <= 65504 / (max(history) * margin),
                      within [min_scale, max_scale]
-        if trouble:  cap = scale * backoff_factor;  tracker = 0       # torch's rule on the cap
+        if trouble:  allowance *= backoff_factor;  tracker = 0    # torch's rule, on the share
         else:        tracker += 1
-                     if tracker == recovery_interval:  tracker = 0;  cap = 2 * cap
-        scale = min(target, max(cap, min_scale))
+                     if tracker == recovery_interval:  tracker = 0;  allowance *= 2
+        allowance = min(allowance, 1)
+        scale = max(target * allowance, min_scale)
         iteration += 1
 
     Products of powers of two are exact, so the scale stays a power of two: unscaling is exact
     and fused optimizers keep ampscaler's one-pass route. Written with ``torch.where`` and
     torch's fused update kernel, it runs on the device and never waits for it; an iteration
-    that was not measured costs six small device ops.
+    that was not measured costs five small device ops.
 
     Args:
         margin: the largest scaled gradient is kept at least this factor below 65504; >= 1.
@@ -444,8 +450,9 @@ class HeadroomPolicy:
         sample_every: after the first ``history_length`` iterations, measure every this many;
             >= 1 (``1``: every iteration).
         backoff_factor: multiplies the scale on an overflow; a power of two in (0, 1).
-        recovery_interval: clean steps in a row after which the cap set by overflows doubles;
-            >= 1 (torch's ``growth_interval`` for the cap, saved under that name).
+        recovery_interval: clean steps in a row after which the allowance an overflow halved
+            doubles; >= 1 (torch's ``growth_interval`` for the allowance, saved under that
+            name).
         first_scale: the scale of the iterations before the first measurement (a power of
             two); the scaler's ``init_scale`` does not apply.
         min_scale: the scale never goes below this (a power of two); ``None``: ``2**-126``.
@@ -463,8 +470,8 @@ class HeadroomPolicy:
         >>> state.scale.item() == 2.0**24     # 2**24 * 1e-3 * 2 <= 65504 < 2**25 * 1e-3 * 2
         True
         >>> state = policy.adjust(state, torch.tensor(1.0))   # an overflow anyway: back off
-        >>> state.scale.item() == 2.0**23, state.cap.item() == 2.0**23
-        (True, True)
+        >>> state.scale.item() == 2.0**23, state.allowance.item()
+        (True, 0.5)
     """
 
     margin: float = 2.0
@@ -513,9 +520,9 @@ class HeadroomPolicy:
         return (low if bounds[0] is None else bounds[0], high if bounds[1] is None else bounds[1])
 
     @cached_property
-    def cap_rule(self) -> ScalePolicy:
-        """Torch's rule as it moves the cap: doubling after ``recovery_interval`` clean steps,
-        ``backoff_factor`` on an overflow."""
+    def allowance_rule(self) -> ScalePolicy:
+        """Torch's rule as it moves the allowance: doubling after ``recovery_interval`` clean
+        steps, ``backoff_factor`` on an overflow."""
         return ScalePolicy(2.0, self.backoff_factor, self.recovery_interval)
 
     def check_scale(self, name: str, scale: object) -> float:
@@ -582,18 +589,15 @@ class HeadroomPolicy:
             _, exponent = torch.frexp(room)  # room = m * 2**exponent with 0.5 <= m < 1
             allowed = torch.exp2((exponent - 1).clamp(low, high).double()).float()
             target = torch.where(known, allowed, target)
-        backed_from = ScaleState(
-            torch.where(trouble > 0, state.scale, state.cap),
-            state.growth_tracker,
-            state.hysteresis_left,
-        )
-        cap, tracker, _ = self.cap_rule.adjust(backed_from, trouble)
-        cap = torch.clamp_min(cap, 2.0 ** self.exponents[0])
+        moved = ScaleState(state.allowance, state.growth_tracker, state.hysteresis_left)
+        allowance, tracker, _ = self.allowance_rule.adjust(moved, trouble)
+        allowance = allowance.clamp(LOWEST_ALLOWANCE, 1.0)
+        lowest = 2.0 ** self.exponents[0]
         return HeadroomState(
-            torch.minimum(target, cap),
+            torch.clamp_min(target * allowance, lowest),
             tracker,
             state.hysteresis_left,
-            cap,
+            allowance,
             target,
             history,
             stored,
@@ -605,7 +609,7 @@ class HeadroomPolicy:
     ) -> None:
         """Apply :meth:`adjust` to ``state`` in place: its tensors keep their identity.
 
-        An iteration that was not measured runs six device ops on the live tensors (torch's
+        An iteration that was not measured runs five device ops on the live tensors (torch's
         fused kernel among them); a measured one about twenty-five. No host sync.
         """
         if measured is not None or found_inf.dtype != torch.float32:
@@ -615,17 +619,17 @@ class HeadroomPolicy:
             raise TypeError(
                 f"HeadroomPolicy.update_() needs a HeadroomState, got {type(state).__name__}."
             )
-        state.cap.copy_(torch.where(found_inf > 0, state.scale, state.cap))
         torch._amp_update_scale_(
-            state.cap,
+            state.allowance,
             state.growth_tracker,
             found_inf,
             2.0,
             self.backoff_factor,
             self.recovery_interval,
         )
-        state.cap.clamp_(min=2.0 ** self.exponents[0])
-        torch.minimum(state.target, state.cap, out=state.scale)
+        state.allowance.clamp_(LOWEST_ALLOWANCE, 1.0)
+        torch.mul(state.target, state.allowance, out=state.scale)
+        state.scale.clamp_(min=2.0 ** self.exponents[0])
         state.iteration.add_(1)
 
 
@@ -662,11 +666,10 @@ def initial_state(
     if not isinstance(policy, HeadroomPolicy):
         return common
     values = dict(extra or {})
-    highest = 2.0 ** HEADROOM_EXPONENTS[1]
     history = values.get("history", [0.0] * policy.history_length)
     return HeadroomState(
         *common,
-        cap=torch.full((), values.get("cap", highest), dtype=torch.float32, device=device),
+        allowance=torch.full((), values.get("allowance", 1.0), dtype=torch.float32, device=device),
         target=torch.full((), values.get("target", scale), dtype=torch.float32, device=device),
         history=torch.tensor(history, dtype=torch.float64, device=device),
         measured=torch.full((), values.get("measured", 0), dtype=torch.int64, device=device),
