@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import math
 import pickle
 
@@ -25,7 +26,7 @@ from torch._dynamo.utils import counters
 
 import ampscaler
 from ampscaler import GradScaler, HeadroomPolicy, ScalePolicy
-from ampscaler.headroom import HeadroomMeter
+from ampscaler.headroom import NOT_MEASURED, HeadroomMeter
 from ampscaler.policy import HeadroomState, initial_state
 from headroom_reference import FP16_MAX, HeadroomRef
 from reference import f32
@@ -488,3 +489,26 @@ def test_a_compiled_step_scales_as_the_eager_one_and_never_recompiles() -> None:
     assert compiled == eager
     assert min(eager[6:]) < max(eager[:6])  # the overflow backed off
     assert recompiled == 0  # though the measuring hooks come and go (iterations 0, 1, 4, 7)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"policy": HeadroomPolicy()}, {"probe_every": 10}, {"trace_nonfinite": True}],
+    ids=["headroom", "probe", "tracer"],
+)
+def test_a_watched_model_still_deep_copies_and_saves_and_its_copy_is_not_tapped(
+    kwargs: dict[str, object],
+) -> None:
+    model = Net()
+    scaler = GradScaler("cpu", **kwargs)  # type: ignore[arg-type]
+    scaler.watch(model)  # the hooks are on from the first iteration
+    twin = copy.deepcopy(model)  # what an EMA or SWA wrapper does
+    torch.save(model, io.BytesIO())
+    meter = scaler._meter
+    if meter is not None:
+        meter.start()  # as the iteration's scale() does
+    with torch.autocast("cpu", dtype=torch.float16):
+        (twin(_batch(0)).float() * 1e6).sum().backward()  # the copy's gradients are not seen
+    if meter is not None:
+        assert meter.take(CPU) == NOT_MEASURED
+    _train(scaler, model, torch.optim.SGD(model.parameters(), lr=1e-3), range(2))
