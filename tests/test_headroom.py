@@ -392,15 +392,15 @@ def test_state_dict_holds_the_policy_and_its_state_and_loads_into_torch() -> Non
     saved = scaler.state_dict()
     section = saved["headroom"]
     assert section["iteration"] == 3 and section["measured"] == 3
-    assert len(section["history"]) == 16 and section["target"] == scaler.get_scale()
-    assert section["allowance"] == 1.0 and section["margin"] == 2.0
+    assert len(section["history"]) == 64 and section["target"] == scaler.get_scale()
+    assert section["allowance"] == 1.0 and section["margin"] == 2.0**0.5
     theirs = torch.amp.GradScaler("cpu")
     theirs.load_state_dict(saved)
     assert theirs.get_scale() == scaler.get_scale()
     assert theirs.get_growth_interval() == 700  # the allowance rule
     # Before the first step the state dict already holds a fresh state.
     fresh = GradScaler("cpu", policy=HeadroomPolicy()).state_dict()["headroom"]
-    assert fresh["target"] == 1.0 and fresh["measured"] == 0 and fresh["history"] == [0.0] * 16
+    assert fresh["target"] == 1.0 and fresh["measured"] == 0 and fresh["history"] == [0.0] * 64
 
 
 def test_other_policies_checkpoints_load_as_in_torch() -> None:
@@ -422,8 +422,8 @@ def test_other_policies_checkpoints_load_as_in_torch() -> None:
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"history": [0.0] * 3}, ("headroom['history']", "16")),
-        ({"history": [-1.0] * 16}, ("headroom['history']", ">= 0")),
+        ({"history": [0.0] * 3}, ("headroom['history']", "64")),
+        ({"history": [-1.0] * 64}, ("headroom['history']", ">= 0")),
         ({"target": 3.0}, ("headroom['target']", "power of two")),
         ({"allowance": 2.0}, ("headroom['allowance']", "[2**-126, 1]")),
         ({"iteration": -1}, ("headroom['iteration']", ">= 0")),

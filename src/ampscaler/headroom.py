@@ -25,8 +25,9 @@ update reads it there; the hooks exist only during measured iterations.
 What it costs: on a measured iteration, a forward hook and a tensor hook per leaf module and one
 reduction per tapped gradient, plus one pass over the parameter gradients; nothing on the other
 iterations. Every iteration measures while the history is young (the first
-``history_length``), then every ``sample_every``-th: at the defaults (16, 16) the cost after
-the first 16 iterations is a sixteenth of a measured iteration's. The trade-off: between
+``history_length``), then every ``sample_every``-th: at the defaults (64, 16) the cost after
+the first 64 iterations is a sixteenth of a measured iteration's, and the history spans the
+last 1024 iterations. The trade-off: between
 measurements the scale only falls (on an overflow), so a gradient that grows past the margin
 between two measurements overflows once, and a gradient that shrinks is followed one
 measurement late.
@@ -43,7 +44,7 @@ Example:
     >>> scaler.scale(loss).backward()   # at scale 1: the largest gradient is 1.0
     >>> scaler.step(opt)
     >>> scaler.update()
-    >>> scaler.get_scale() == 2.0**14   # 2**14 * 1.0 * margin 2 <= 65504 < 2**15 * 2
+    >>> scaler.get_scale() == 2.0**15   # 2**15 * 1.0 * margin 2**0.5 <= 65504 < 2**16 * ...
     True
 """
 

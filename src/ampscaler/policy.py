@@ -444,8 +444,10 @@ class HeadroomPolicy:
 
     Args:
         margin: the largest scaled gradient is kept at least this factor below 65504; >= 1.
-            ``2.0`` leaves one binade for gradients to grow between measurements and for values
-            the measurement does not see (inside fused attention, say).
+            The default, ``2**0.5``, leaves half a binade (and the rounding down to a power of
+            two another half on average) for gradients to grow between measurements and for
+            values the measurement does not see (inside fused attention, say); ``2.0`` or more
+            for gradients that jump more (docs/headroom.md has measurements).
         history_length: measurements kept; the largest sets the scale; >= 1.
         sample_every: after the first ``history_length`` iterations, measure every this many;
             >= 1 (``1``: every iteration).
@@ -474,8 +476,8 @@ class HeadroomPolicy:
         (True, 0.5)
     """
 
-    margin: float = 2.0
-    history_length: int = 16
+    margin: float = 2.0**0.5
+    history_length: int = 64
     sample_every: int = 16
     backoff_factor: float = 0.5
     recovery_interval: int = 2000
