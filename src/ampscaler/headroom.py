@@ -6,12 +6,13 @@ the scaled gradients of one iteration, where float16 overflows:
 
 * **activation gradients**: through the probe's taps (:class:`~ampscaler.observe.taps.GradTaps`)
   on the leaf modules of the models given to ``scaler.watch(model)``, the gradient arriving at
-  each module's outputs during the backward, one ``max |g|`` per tapped tensor (a read of the
-  gradient, no copy);
+  each module's outputs during the backward, one ``aminmax`` per tapped tensor (a read of the
+  gradient, no copy; on the CPU some 20x faster than ``vector_norm(inf)`` for float16);
 * **parameter gradients** that float16 computed, when the scaler checks them: the gradients of
   parameters of leaf modules whose output gradient was float16 (a linear layer under autocast),
-  of parameters not in any watched leaf module, and float16 gradients; one
-  ``torch._foreach_norm(inf)`` per device and dtype. The gradients of modules autocast runs in
+  of parameters not in any watched leaf module, and float16 gradients: on CUDA one fused
+  ``torch._foreach_norm(inf)`` per device and dtype, elsewhere one ``aminmax`` per gradient.
+  The gradients of modules autocast runs in
   float32 (layer norms, embeddings) are left out: they cannot overflow float16, and a layer
   norm's parameter gradients, sums over every token, would otherwise hold the scale down.
 
@@ -88,7 +89,9 @@ class HeadroomMeter:
 
     def _reset(self) -> None:
         self._started = False
-        self._largest: dict[torch.dtype, list[torch.Tensor]] = {}
+        # Per dtype, the extremes seen (minima and maxima; the largest magnitude among them is
+        # taken once, at take()).
+        self._seen: dict[torch.dtype, list[torch.Tensor]] = {}
         self._half_modules: set[str] = set()  # modules whose output gradient was float16
 
     @property
@@ -130,7 +133,7 @@ class HeadroomMeter:
     def start(self) -> None:
         """The iteration's first scaled loss: what was tapped before it is dropped."""
         if not self._started:
-            self._largest, self._half_modules = {}, set()
+            self._seen, self._half_modules = {}, set()
             self._started = True
 
     def _tap(self, name: str, where: str, grad: torch.Tensor) -> None:
@@ -139,9 +142,11 @@ class HeadroomMeter:
             return
         if values.dtype is torch.float16:
             self._half_modules.add(name)
+        self._note(values)
+
+    def _note(self, values: torch.Tensor) -> None:
         with torch.no_grad():
-            largest = torch.linalg.vector_norm(values.detach(), float("inf"))
-        self._largest.setdefault(largest.dtype, []).append(largest)
+            self._seen.setdefault(values.dtype, []).extend(torch.aminmax(values.detach()))
 
     def measure(self, optimizer: torch.optim.Optimizer) -> None:
         """Take ``optimizer``'s parameter gradients (scaled, before the check) into the
@@ -155,28 +160,34 @@ class HeadroomMeter:
             if view.numel() and (half or owner is None or owner in self._half_modules):
                 groups.setdefault((view.device, view.dtype), []).append(view)
         with torch.no_grad():
-            for (_, dtype), views in groups.items():
-                norms = torch._foreach_norm(views, float("inf"))
-                self._largest.setdefault(dtype, []).append(torch.stack(norms).max())
+            for (device, dtype), views in groups.items():
+                if device.type == "cuda":  # one fused kernel for them all
+                    norms = torch._foreach_norm(views, float("inf"))
+                    self._seen.setdefault(dtype, []).append(torch.stack(norms).max())
+                else:
+                    for view in views:
+                        self._note(view)
 
     def take(self, device: torch.device) -> torch.Tensor | None:
         """The iteration's measurement on ``device``: a 0-dim float32 tensor holding the largest
         gradient magnitude seen (inf for inf or NaN; :data:`NOT_MEASURED` if nothing was
         seen), or ``None`` when the iteration is not measured. Forgets it. No host sync."""
-        largest, due = self._largest, self.due
-        self._reset()
-        if not due:
+        if not self.due:  # nothing was collected: the hooks are off, measure() returned
+            self._started = False
             return None
-        if not largest:
+        seen = self._seen
+        self._reset()
+        if not seen:
             return torch.full((), NOT_MEASURED, dtype=torch.float32, device=device)
-        peaks = [torch.stack(values).max().to(device, torch.float32) for values in largest.values()]
-        peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
-        return torch.nan_to_num(peak, nan=float("inf"))
+        extremes = torch.cat(
+            [torch.stack([v.to(device) for v in values]).float() for values in seen.values()]
+        )
+        return torch.nan_to_num(extremes.abs().max(), nan=float("inf"))
 
     def advance(self) -> None:
         """The policy moved on by one iteration: arm the hooks for the next."""
         self._iteration += 1
-        self._reset()
+        self._started = False  # take() emptied the rest
         self._arm()
 
     def skip(self) -> None:
