@@ -444,18 +444,22 @@ def test_a_bad_headroom_section_is_refused_naming_the_key(
         scaler.load_state_dict(missing)
 
 
-def test_a_pickled_scaler_goes_on_alike_once_watched_again() -> None:
-    scaler, model, opt = _rig(HeadroomPolicy(sample_every=2))
+def test_a_pickled_or_copied_scaler_goes_on_alike_once_watched_again() -> None:
+    scaler, model, opt = _rig(HeadroomPolicy(history_length=2, sample_every=1))
     _train(scaler, model, opt, range(20))
-    twin = pickle.loads(pickle.dumps(scaler))
-    twin_model = copy.deepcopy(model)
-    twin_opt = torch.optim.Adam(twin_model.parameters(), lr=1e-3)
-    twin_opt.load_state_dict(opt.state_dict())
-    twin.watch(twin_model)
-    assert twin.state_dict() == scaler.state_dict()
-    assert _train(twin, twin_model, twin_opt, range(20, 30)) == _train(
-        scaler, model, opt, range(20, 30)
-    )
+    twins = []
+    for twin in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert twin.state_dict() == scaler.state_dict()
+        twin_model = copy.deepcopy(model)
+        twin_opt = torch.optim.Adam(twin_model.parameters(), lr=1e-3)
+        twin_opt.load_state_dict(opt.state_dict())
+        twin.watch(twin_model)
+        twins.append((twin, twin_model, twin_opt))
+    seen = _train(scaler, model, opt, range(20, 30))
+    for twin, twin_model, twin_opt in twins:
+        assert _train(twin, twin_model, twin_opt, range(20, 30)) == seen
+        # Measured like the original: the same history, counts and scale.
+        assert twin.state_dict() == scaler.state_dict()
 
 
 def _scales_of_a_step(compiled: bool) -> tuple[list[float], int]:

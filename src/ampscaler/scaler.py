@@ -269,6 +269,11 @@ class GradScaler(
         else:
             self._meter.restart(policy, iteration)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self._meter is not None:  # a copy's monitor starts without the meter
+            self._monitor.set_meter(self._meter)
+
     def _saw(self, value: float) -> None:
         if self._route is not None:
             self._route.saw(value)  # renews what the fused route knows, for free
