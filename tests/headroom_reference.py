@@ -1,7 +1,7 @@
 """A pure-Python model of HeadroomPolicy's transition, for property tests.
 
 Written from the rule in the issue and the class docstring, not from ``ampscaler.policy``:
-plain ``if`` statements on Python numbers, no tensors. Float32 values (the scale, the allowance, the
+plain ``if`` statements on Python numbers, no tensors. Float32 values (the scale and the
 target) are held in Python floats after rounding them to float32; the history is float64, as
 Python's floats are::
 
@@ -10,10 +10,10 @@ Python's floats are::
     if measured and not trouble and measured > 0:
         history[stored % length] = measured / scale; stored += 1
     if measured and max(history) > 0:
-        target = 2**clamp(exponent of the largest power of two <= 65504 / (peak * margin))
-    torch's rule on the allowance (backoff on trouble; growth 2 every recovery_interval clean
-          steps), kept within [2**-126, 1]
-    scale = max(f32(target * allowance), lowest); iteration += 1
+        new = 2**clamp(exponent of the largest power of two <= 65504 / (peak * margin))
+        scale = f32(scale * f32(new / target)); target = new
+    torch's rule on the scale (backoff on trouble; growth 2 every recovery_interval clean
+          steps), then scale = min(max(scale, lowest), target); iteration += 1
 
 Example:
     >>> ref = HeadroomRef(margin=2.0, history_length=2)
@@ -44,7 +44,6 @@ class HeadroomRef:
     max_scale: float | None = None
     scale: float = field(init=False)
     tracker: int = 0
-    allowance: float = 1.0
     target: float = field(init=False)
     history: list[float] = field(init=False)
     stored: int = 0
@@ -76,19 +75,20 @@ class HeadroomRef:
             if peak > 0.0:
                 room = FP16_MAX / (peak * self.margin)
                 exponent = math.frexp(room)[1] - 1  # the largest 2**e <= room
-                self.target = min(max(2.0**exponent, self.lowest), self.highest)
-        allowance = self.allowance
+                new = min(max(2.0**exponent, self.lowest), self.highest)
+                self.scale = f32(self.scale * f32(new / self.target))
+                self.target = new
+        scale = self.scale
         if trouble:
-            allowance = f32(allowance * self.backoff_factor)
+            scale = f32(scale * self.backoff_factor)
             self.tracker = 0
         else:
             self.tracker += 1
             if self.tracker == self.recovery_interval:
                 self.tracker = 0
-                grown = f32(allowance * 2.0)
+                grown = f32(scale * 2.0)
                 if math.isfinite(grown):
-                    allowance = grown
-        self.allowance = min(max(allowance, 2.0**-126), 1.0)
-        self.scale = max(f32(self.target * self.allowance), self.lowest)
+                    scale = grown
+        self.scale = min(max(scale, self.lowest), self.target)
         self.iteration += 1
         return self

@@ -76,7 +76,6 @@ def _ref_of(config: dict[str, object]) -> HeadroomRef:
 def _assert_matches(state: HeadroomState, ref: HeadroomRef) -> None:
     assert float(state.scale) == ref.scale
     assert int(state.growth_tracker) == ref.tracker
-    assert float(state.allowance) == ref.allowance
     assert float(state.target) == ref.target
     assert state.history.tolist() == ref.history
     assert int(state.measured) == ref.stored
@@ -127,10 +126,10 @@ def test_a_scripted_sequence_of_measurements_gives_the_expected_scales() -> None
         (clean, 2**23 * 1e-3),  # back to 1e-3, but 3e-3 is still in the history: 2**23
         (clean, 2**23 * 1e-3),  # 3e-3 has left the history (length 2): 2**24
         (clean, None),  # not measured: unchanged
-        (overflow, None),  # the safety net: back off, the allowance halves
-        (clean, 2**23 * 1e-3),  # measured 2**24 again, but allowed half of it
+        (overflow, None),  # the safety net: back off a binade below the target
+        (clean, 2**23 * 1e-3),  # measured 2**24 again: the scale keeps its distance
         (clean, None),
-        (clean, None),  # three clean steps: the allowance doubles back to 1
+        (clean, None),  # three clean steps: the scale doubles back to the target
         (clean, 2**24 * 3.5e-3),  # larger gradients: 2**23 before they can overflow
         (clean, 2**23 * float("inf")),  # a measurement that overflowed: back off to 2**22
     ]
@@ -138,7 +137,7 @@ def test_a_scripted_sequence_of_measurements_gives_the_expected_scales() -> None
         state = policy.adjust(state, found, _tensor(measured))
         scales.append(math.log2(float(state.scale)))
     assert scales == [24, 24, 23, 23, 24, 24, 23, 23, 23, 24, 23, 22]
-    assert float(state.allowance) == 0.5
+    assert float(state.target) == 2.0**23
 
 
 def test_the_first_measurement_sets_the_scale_and_unmeasured_iterations_keep_it() -> None:
@@ -153,14 +152,19 @@ def test_the_first_measurement_sets_the_scale_and_unmeasured_iterations_keep_it(
 
 
 def test_bounds_hold_and_a_non_float32_flag_takes_the_general_path() -> None:
-    policy = HeadroomPolicy(min_scale=2.0**-2, max_scale=2.0**8, first_scale=2.0**4)
+    policy = HeadroomPolicy(
+        min_scale=2.0**-2, max_scale=2.0**8, first_scale=2.0**4, recovery_interval=3
+    )
     state = initial_state(policy, 2.0**4, CPU)
     state = policy.adjust(state, torch.tensor(0.0), torch.tensor(1e-9))  # wants ~2**44
     assert float(state.scale) == 2.0**8
     for _ in range(20):
         policy.update_(state, torch.tensor(3.0, dtype=torch.float64))  # overflows, float64 flag
     assert float(state.scale) == 2.0**-2
-    assert float(state.allowance) == 2.0**-20
+    assert float(state.target) == 2.0**8
+    for _ in range(3):  # 3 clean steps double it once: the overflows did not push it lower
+        policy.update_(state, torch.tensor(0.0, dtype=torch.float64))
+    assert float(state.scale) == 2.0**-1
 
 
 @pytest.mark.parametrize(
@@ -269,7 +273,7 @@ def test_a_real_overflow_backs_off_at_once_and_holds_until_recovery() -> None:
     assert [skipped for _, skipped in seen] == [i == 8 for i in range(20)]
     ceiling = scales[8]
     assert scales[9:13] == [ceiling - 1] * 4  # one binade below the measurement for 4 steps
-    assert scales[13] == ceiling  # then the allowance doubles back to 1
+    assert scales[13] == ceiling  # then it doubles back to the target
     assert scaler.stats.skipped == 1 and scaler.last_overflow is None
 
 
@@ -350,7 +354,7 @@ def test_update_with_a_new_scale_holds_it_until_the_next_measurement() -> None:
         scaler.update(1000.0)
 
 
-def test_setters_of_torchs_rule_are_refused_and_getters_report_the_allowance_rule() -> None:
+def test_setters_of_torchs_rule_are_refused_and_getters_report_the_recovery_rule() -> None:
     scaler = GradScaler("cpu", policy=HeadroomPolicy(recovery_interval=500, backoff_factor=0.25))
     assert scaler.get_growth_interval() == 500 and scaler.get_backoff_factor() == 0.25
     with pytest.raises(RuntimeError, match="measured gradients"):
@@ -383,7 +387,7 @@ def test_a_resumed_run_measures_and_scales_exactly_as_the_uninterrupted_one(
         again.load_state_dict(loaded["scaler"])
         assert again.policy == policy
         assert first + _train(again, model, opt, range(stop, 30), POISON) == seen
-        assert again.state_dict() == whole.state_dict()  # history, counts, allowance: all of it
+        assert again.state_dict() == whole.state_dict()  # history, counts, target: all of it
 
 
 def test_state_dict_holds_the_policy_and_its_state_and_loads_into_torch() -> None:
@@ -393,11 +397,11 @@ def test_state_dict_holds_the_policy_and_its_state_and_loads_into_torch() -> Non
     section = saved["headroom"]
     assert section["iteration"] == 3 and section["measured"] == 3
     assert len(section["history"]) == 64 and section["target"] == scaler.get_scale()
-    assert section["allowance"] == 1.0 and section["margin"] == 2.0**0.5
+    assert section["margin"] == 2.0**0.5
     theirs = torch.amp.GradScaler("cpu")
     theirs.load_state_dict(saved)
     assert theirs.get_scale() == scaler.get_scale()
-    assert theirs.get_growth_interval() == 700  # the allowance rule
+    assert theirs.get_growth_interval() == 700  # the recovery rule
     # Before the first step the state dict already holds a fresh state.
     fresh = GradScaler("cpu", policy=HeadroomPolicy()).state_dict()["headroom"]
     assert fresh["target"] == 1.0 and fresh["measured"] == 0 and fresh["history"] == [0.0] * 64
@@ -425,7 +429,7 @@ def test_other_policies_checkpoints_load_as_in_torch() -> None:
         ({"history": [0.0] * 3}, ("headroom['history']", "64")),
         ({"history": [-1.0] * 64}, ("headroom['history']", ">= 0")),
         ({"target": 3.0}, ("headroom['target']", "power of two")),
-        ({"allowance": 2.0}, ("headroom['allowance']", "[2**-126, 1]")),
+        ({"target": 2.0**130}, ("headroom['target']", "127")),
         ({"iteration": -1}, ("headroom['iteration']", ">= 0")),
         ({"margin": 0.5}, ("margin", ">= 1")),
     ],

@@ -11,12 +11,12 @@ A :class:`~ampscaler.policy.StaticPolicy` is saved as ``dynamic: False`` with to
 factors under torch's keys (torch's scaler has no static mode; it needs the keys).
 
 A :class:`~ampscaler.HeadroomPolicy` adds one key, ``headroom``: its configuration and its own
-state (``allowance``, ``target``, ``history``, ``measured``, ``iteration``), so a resumed run
-measures and scales exactly as the uninterrupted one. Under torch's keys it saves
-``growth_interval = recovery_interval`` and its ``backoff_factor`` (torch's scaler, loading it,
-grows as rarely as the policy's allowance recovers). A dict without ``headroom`` (torch's, or one
-saved with another policy) loaded into a scaler with a HeadroomPolicy: torch's leaves the policy
-as constructed, with nothing measured yet; ampscaler's replaces it, as any ampscaler dict does.
+state (``target``, ``history``, ``measured``, ``iteration``), so a resumed run measures and
+scales exactly as the uninterrupted one. Under torch's keys it saves ``growth_interval =
+recovery_interval`` and its ``backoff_factor`` (torch's scaler, loading it, grows as rarely as
+the policy recovers from an overflow). A dict without ``headroom`` (torch's, or one saved with
+another policy) loaded into a scaler with a HeadroomPolicy: torch's leaves the policy as
+constructed, with nothing measured yet; ampscaler's replaces it, as any ampscaler dict does.
 
 Example:
     >>> from ampscaler.policy import ScalePolicy
@@ -43,14 +43,12 @@ from .errors import InvalidConfigError, InvalidStateDictError, ScalerUsageError
 from .observe.api import StepOutcome
 from .policy import (
     HEADROOM_FIELDS,
-    LOWEST_ALLOWANCE,
     HeadroomPolicy,
     Policy,
     ScalePolicy,
     StaticPolicy,
     float32_value,
     initial_state,
-    pow2_exponent,
     torch_rule,
 )
 from .state import HostState, LiveState, ScalerStats
@@ -206,16 +204,6 @@ def _loaded_headroom(section: Mapping[str, Any], policy: HeadroomPolicy) -> dict
         )
     extra["history"] = [float(value) for value in history]
     extra["target"] = policy.check_scale("headroom['target']", extra["target"])
-    allowance = extra["allowance"]
-    if not (
-        _finite(allowance, at_least=LOWEST_ALLOWANCE)
-        and allowance <= 1.0
-        and pow2_exponent(float(allowance)) is not None
-    ):
-        raise InvalidConfigError(
-            f"headroom['allowance'] must be a power of two in [2**-126, 1], got {allowance!r}."
-        )
-    extra["allowance"] = float(allowance)
     for name in ("measured", "iteration"):
         value = extra[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

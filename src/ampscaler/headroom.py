@@ -132,7 +132,7 @@ class HeadroomMeter:
 
     def start(self) -> None:
         """The iteration's first scaled loss: what was tapped before it is dropped."""
-        if not self._started:
+        if not self._started and self.due:
             self._seen, self._half_modules = {}, set()
             self._started = True
 

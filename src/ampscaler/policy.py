@@ -343,8 +343,6 @@ def pow2_exponent(value: float | None) -> int | None:
 #: The exponents of the scales a :class:`HeadroomPolicy` may set without bounds: float32's normal
 #: range, where ``1/scale`` is exact.
 HEADROOM_EXPONENTS = (-126, 127)
-#: The smallest allowance a :class:`HeadroomPolicy` keeps (overflows cannot drive it to 0).
-LOWEST_ALLOWANCE = 2.0**-126
 
 
 class HeadroomState(NamedTuple):
@@ -353,14 +351,10 @@ class HeadroomState(NamedTuple):
     The first three are :class:`ScaleState`'s.
 
     Attributes:
-        scale: float32, the current loss scale (always a power of two):
-            ``max(target * allowance, min_scale)``.
+        scale: float32, the current loss scale (always a power of two, at most ``target``).
         growth_tracker: int32, clean steps in a row since the last overflow or the last
-            doubling of ``allowance`` (torch's growth tracker, driving ``allowance``).
+            doubling after one (torch's growth tracker).
         hysteresis_left: int32, always 1 (every overflow backs off).
-        allowance: float32, the share of ``target`` that overflows leave (a power of two, at
-            most 1): backed off at each overflow, doubled after each ``recovery_interval``
-            clean steps; 1 until the first overflow.
         target: float32, the scale the measurements allow (``first_scale`` until the first).
         history: float64 ``[history_length]``, the largest gradient of each measured iteration
             divided by the scale it was measured at (a ring; 0 marks an empty slot).
@@ -372,7 +366,6 @@ class HeadroomState(NamedTuple):
     scale: torch.Tensor
     growth_tracker: torch.Tensor
     hysteresis_left: torch.Tensor
-    allowance: torch.Tensor
     target: torch.Tensor
     history: torch.Tensor
     measured: torch.Tensor
@@ -404,11 +397,11 @@ class HeadroomPolicy:
     clean steps until a step overflows, skip that step and back off, over and over. This
     policy measures how far the largest scaled gradients are from float16's largest value
     (65504) and sets the scale to the largest power of two that keeps ``margin`` between them,
-    so it grows without overflowing. A real overflow still backs off at once: torch's rule runs
-    alongside on an allowance, the share of that target the scale may use (backed off at each
-    overflow, doubled after each ``recovery_interval`` clean steps, at most 1). Until something
-    overflows the allowance is 1; after an overflow the scale goes on following the
-    measurements, a binade below them until the allowance recovers.
+    so it grows without overflowing. A real overflow still backs off at once: the scale moves by
+    torch's rule (backed off at each overflow, doubled after each ``recovery_interval`` clean
+    steps) but never above that target, and a measurement that moves the target moves the
+    scale with it. Until something overflows the scale is the target; after an overflow it
+    goes on following the measurements, a binade below them until it has recovered.
 
     What is measured (by the scaler, see :mod:`ampscaler.headroom`): the largest magnitude of
     the gradients arriving at the outputs of the leaf modules of the models given to
@@ -427,19 +420,19 @@ class HeadroomPolicy:
         if measured and not trouble and measured > 0:
             history[stored % history_length] = measured / scale;  stored += 1
         if measured and max(history) > 0:
-            target = the largest 2**e <= 65504 / (max(history) * margin),
-                     within [min_scale, max_scale]
-        if trouble:  allowance *= backoff_factor;  tracker = 0    # torch's rule, on the share
+            new = the largest 2**e <= 65504 / (max(history) * margin),
+                  within [min_scale, max_scale]
+            scale = scale * new / target;  target = new      # keep the distance below it
+        if trouble:  scale *= backoff_factor;  tracker = 0    # torch's rule ...
         else:        tracker += 1
-                     if tracker == recovery_interval:  tracker = 0;  allowance *= 2
-        allowance = min(allowance, 1)
-        scale = max(target * allowance, min_scale)
+                     if tracker == recovery_interval:  tracker = 0;  scale *= 2
+        scale = min(max(scale, min_scale), target)           # ... capped at the target
         iteration += 1
 
     Products of powers of two are exact, so the scale stays a power of two: unscaling is exact
     and fused optimizers keep ampscaler's one-pass route. Written with ``torch.where`` and
     torch's fused update kernel, it runs on the device and never waits for it; an iteration
-    that was not measured costs five small device ops, a measured one about thirty.
+    that was not measured costs four small device ops, a measured one about thirty.
 
     Args:
         margin: the largest scaled gradient is kept at least this factor below 65504; >= 1.
@@ -451,8 +444,8 @@ class HeadroomPolicy:
         sample_every: after the first ``history_length`` iterations, measure every this many;
             >= 1 (``1``: every iteration).
         backoff_factor: multiplies the scale on an overflow; a power of two in (0, 1).
-        recovery_interval: clean steps in a row after which the allowance an overflow halved
-            doubles; >= 1 (torch's ``growth_interval`` for the allowance, saved under that
+        recovery_interval: clean steps in a row after which a scale an overflow backed off
+            doubles (up to the target); >= 1 (torch's ``growth_interval``, saved under that
             name).
         first_scale: the scale of the iterations before the first measurement (a power of
             two); the scaler's ``init_scale`` does not apply.
@@ -471,8 +464,8 @@ class HeadroomPolicy:
         >>> state.scale.item() == 2.0**24     # 2**24 * 1e-3 * 2 <= 65504 < 2**25 * 1e-3 * 2
         True
         >>> state = policy.adjust(state, torch.tensor(1.0))   # an overflow anyway: back off
-        >>> state.scale.item() == 2.0**23, state.allowance.item()
-        (True, 0.5)
+        >>> state.scale.item() == 2.0**23, state.target.item() == 2.0**24
+        (True, True)
     """
 
     margin: float = 2.0**0.5
@@ -572,7 +565,7 @@ class HeadroomPolicy:
     ) -> None:
         """Apply the rule to ``state`` in place: its tensors keep their identity.
 
-        An iteration that was not measured runs five device ops (torch's fused update kernel
+        An iteration that was not measured runs four device ops (torch's fused update kernel
         among them); a measured one about thirty. No host sync.
 
         Raises:
@@ -583,23 +576,23 @@ class HeadroomPolicy:
         if measured is not None:
             flag = self._measure_(live, flag, measured.to(live.scale.device))
         torch._amp_update_scale_(
-            live.allowance,
+            live.scale,
             live.growth_tracker,
             flag,
             2.0,
             self.backoff_factor,
             self.recovery_interval,
         )
-        live.allowance.clamp_(LOWEST_ALLOWANCE, 1.0)
-        torch.mul(live.target, live.allowance, out=live.scale)
         live.scale.clamp_(min=2.0 ** self.exponents[0])
+        torch.minimum(live.scale, live.target, out=live.scale)
         live.iteration.add_(1)
 
     def _measure_(
         self, live: HeadroomState, flag: torch.Tensor, measured: torch.Tensor
     ) -> torch.Tensor:
-        """Take ``measured`` into the history and the target, in place; returns the flag the
-        allowance moves by (the overflow flag, raised for a measurement beyond float16)."""
+        """Take ``measured`` into the history, the target and the scale, in place; returns the
+        flag torch's rule moves the scale by (the overflow flag, raised for a measurement
+        beyond float16)."""
         hot = ~(measured <= FP16_MAX)  # inf, NaN, or beyond float16
         flag = flag + hot
         usable = (measured > 0.0) & (flag == 0)
@@ -613,7 +606,9 @@ class HeadroomPolicy:
         _, exponent = torch.frexp(room)  # room = m * 2**exponent with 0.5 <= m < 1
         low, high = self.exponents
         allowed = torch.exp2((exponent - 1).clamp(low, high).double()).float()
-        live.target.copy_(torch.where(peak > 0.0, allowed, live.target))
+        target = torch.where(peak > 0.0, allowed, live.target)
+        live.scale.mul_(target / live.target)  # a ratio of powers of two: exact
+        live.target.copy_(target)
         return flag
 
 
@@ -662,7 +657,6 @@ def initial_state(
     history = values.get("history", [0.0] * policy.history_length)
     return HeadroomState(
         *common,
-        allowance=torch.full((), values.get("allowance", 1.0), dtype=torch.float32, device=device),
         target=torch.full((), values.get("target", scale), dtype=torch.float32, device=device),
         history=torch.tensor(history, dtype=torch.float64, device=device),
         measured=torch.full((), values.get("measured", 0), dtype=torch.int64, device=device),

@@ -367,7 +367,6 @@ class LiveState:
         self.scale.fill_(value)
         if isinstance(self.tensors, HeadroomState):  # held until the next measurement
             self.tensors.target.fill_(value)
-            self.tensors.allowance.fill_(1.0)
         if found_inf is not None:
             self.counters.record(found_inf, old, spiked)
         return old
