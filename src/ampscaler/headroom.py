@@ -26,12 +26,12 @@ update reads it there; the hooks exist only during measured iterations.
 What it costs: on a measured iteration, a forward hook and a tensor hook per leaf module and one
 reduction per tapped gradient, plus one pass over the parameter gradients; nothing on the other
 iterations. Every iteration measures while the history is young (the first
-``history_length``), then every ``sample_every``-th: at the defaults (64, 16) the cost after
-the first 64 iterations is a sixteenth of a measured iteration's, and the history spans the
-last 1024 iterations. The trade-off: between
-measurements the scale only falls (on an overflow), so a gradient that grows past the margin
-between two measurements overflows once, and a gradient that shrinks is followed one
-measurement late.
+``history_length``), then every ``sample_every``-th: at the defaults (64, 32) the cost after
+the first 64 iterations is a 32nd of a measured iteration's, and the history spans the last
+2048 iterations. The trade-off: between measurements the scale only falls (on an overflow), so
+a gradient that grows past the margin between two measurements overflows once, and a gradient
+that shrinks is followed late (the history's largest entry holds the scale down until it has
+left the history).
 
 Example:
     >>> import torch

@@ -470,7 +470,7 @@ class HeadroomPolicy:
 
     margin: float = 2.0**0.5
     history_length: int = 64
-    sample_every: int = 16
+    sample_every: int = 32
     backoff_factor: float = 0.5
     recovery_interval: int = 2000
     first_scale: float = 1.0
