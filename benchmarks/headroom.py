@@ -11,17 +11,18 @@ fp16 autocast on the CPU:
 The three scalers: ``torch.amp.GradScaler`` with its defaults (growth every 2000 clean steps),
 the same with ``growth_interval=100`` (a short interval: closer to the ceiling, more overflows),
 and ``ampscaler.GradScaler(policy=HeadroomPolicy())`` with the model watched. All start from
-the same ``--init-scale``. The runs are interleaved in rounds of ``--chunk`` steps, so a change in
-the machine's load hits every scaler alike.
+the same ``--init-scale``. The runs are interleaved in rounds of ``--chunk`` steps (a different
+scaler first each round), so a change in the machine's load hits every scaler alike.
 
 Per scaler and model it prints: skipped steps (over the run, and within the first 100), the
 share of activation-gradient elements that are non-zero in an fp32 reference pass but zero in
 the fp16 run (measured every ``--probe-every`` steps, on the same steps for every scaler, with
 :class:`ampscaler.GradientProbe` and its fp32 reference, on the outputs of the linear layers),
 the final loss (mean over the last 10% of steps) and its ratio to torch's default, the final
-scale, and the time per step with its ratio to torch's default. Probed steps (which run an
-extra fp32 pass) are left out of the timing; every other step is timed from the forward pass to
-``zero_grad()``, measuring iterations included.
+scale, and the time per step with its ratio to torch's default (the median over rounds of the
+per-round ratio). Probed steps (which run an extra fp32 pass) are left out of the timing; every
+other step is timed, by the thread's CPU time, from the forward pass to ``zero_grad()``,
+measuring iterations included.
 
     PYTHONPATH=src python benchmarks/headroom.py                 # 6000 steps per run
     PYTHONPATH=src python benchmarks/headroom.py --init-scale 4294967296   # DeepSpeed's 2**32
@@ -331,13 +332,18 @@ def train_side_by_side(
     return runs
 
 
-def round_ratio(run: Run, reference: Run) -> float:
-    """The median over rounds of ``run``'s mean step time over ``reference``'s."""
-    ratios = [
+def round_ratios(run: Run, reference: Run) -> list[float]:
+    """Per round, ``run``'s mean step time over ``reference``'s."""
+    return [
         (s / n) / (rs / rn)
         for (s, n), (rs, rn) in zip(run.round_times, reference.round_times, strict=True)
         if n and rn
     ]
+
+
+def round_ratio(run: Run, reference: Run) -> float:
+    """The median over rounds of ``run``'s mean step time over ``reference``'s."""
+    ratios = round_ratios(run, reference)
     return statistics.median(ratios) if ratios else math.nan
 
 
@@ -365,12 +371,15 @@ def table(runs: list[Run], warmup: int) -> str:
     difference, spread = ours.flushed_vs(reference)
     loss = tail_mean(ours.losses) / tail_mean(reference.losses)
     time_ratio = round_ratio(ours, reference)
+    ratios = round_ratios(ours, reference)
+    time_spread = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else 0.0
     lines += [
         f"{ours.policy.name} against {reference.policy.name}: skipped steps {skipped[0]} -> "
         f"{skipped[1]} (10x fewer or none: {_yes(fewer)}); flushed on the same steps "
         f"{difference:+.4%} +-{spread:.4%} (not higher beyond 2 se: "
         f"{_yes(difference <= 2 * spread)}); final loss {loss:.4f}x; time {time_ratio:.3f}x "
-        f"(under 1.05: {_yes(time_ratio < 1.05)})",
+        f"(median of {len(ratios)} rounds; mean {statistics.mean(ratios):.3f} "
+        f"+-{time_spread:.3f}; under 1.05: {_yes(time_ratio < 1.05)})",
     ]
     return "\n".join(lines)
 
@@ -385,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="every scaler's (2**16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-every", type=int, default=100, help="underflow probe period")
-    parser.add_argument("--chunk", type=int, default=250, help="steps per run per round")
+    parser.add_argument("--chunk", type=int, default=50, help="steps per run per round")
     parser.add_argument("--mlp-batch", type=int, default=512, help="the demo model's batch")
     parser.add_argument("--models", default="mlp,lm", help="comma-separated: mlp, lm")
     parser.add_argument(
