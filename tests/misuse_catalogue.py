@@ -62,13 +62,14 @@ class Misuse:
     deviation: str = ""
 
 
-_C, _O, _N, _S, _K, _H = (
+_C, _O, _N, _S, _K, _H, _R = (
     "Constructor arguments",
     "Call order",
     "update(new_scale)",
     "Checkpoints and copies",
     "Other calls",
     "Guards, watches and summaries",
+    "HeadroomPolicy",
 )
 _CFG = ampscaler.InvalidConfigError
 _USE = ampscaler.ScalerUsageError
@@ -238,6 +239,32 @@ CASES: tuple[Misuse, ...] = (
     Misuse(_H, "CollapseWatch(window=1)", _CFG, ("window", ">= 10"), in_torch=False),
     Misuse(_H, "LoggingSink(every=0)", _CFG, ("every", ">= 1"), in_torch=False),
     Misuse(_H, 'scaler.on("colapse", print)', _CFG, ("'collapse'",), "model", in_torch=False),
+    Misuse(_R, "HeadroomPolicy(margin=0.5)", _CFG, ("margin", ">= 1"), in_torch=False),
+    Misuse(_R, "HeadroomPolicy(history_length=0)", _CFG, ("history_length", ">= 1"),
+           in_torch=False),
+    Misuse(_R, "HeadroomPolicy(backoff_factor=0.3)", _CFG, ("backoff_factor", "power of two"),
+           in_torch=False),
+    Misuse(_R, "HeadroomPolicy(first_scale=1000.0)", _CFG, ("first_scale", "2.0**10"),
+           in_torch=False),
+    Misuse(_R, "HeadroomPolicy(min_scale=2.0**8, max_scale=2.0**4)", _CFG,
+           ("min_scale", "max_scale"), in_torch=False),
+    Misuse(
+        _R,
+        'scaler = GradScaler("cpu", policy=HeadroomPolicy()); '
+        "scaler.scale(model(torch.ones(1, 2)).sum()).backward(); "
+        "scaler.step(opt); scaler.update(1000.0)",
+        _CFG, ("new_scale", "power of two"), "model", in_torch=False,
+    ),
+    Misuse(
+        _R, 'GradScaler("cpu", policy=HeadroomPolicy()).set_growth_interval(10)', _USE,
+        ("measured gradients", "ScalePolicy"), in_torch=False,
+    ),
+    Misuse(
+        _R,
+        'saved = GradScaler("cpu", policy=HeadroomPolicy()).state_dict(); '
+        'scaler.load_state_dict({**saved, "headroom": {**saved["headroom"], "history": [1.0]}})',
+        _SD, ("headroom['history']", "history_length"), "model", in_torch=False,
+    ),
 )
 
 
@@ -247,7 +274,7 @@ def run(case: Misuse, factory: type) -> BaseException | None:
         "torch": torch, "copy": copy, "GradScaler": factory,
         "ScalePolicy": ampscaler.ScalePolicy, "StaticPolicy": ampscaler.StaticPolicy,
         "SpikeGuard": ampscaler.SpikeGuard, "CollapseWatch": ampscaler.CollapseWatch,
-        "LoggingSink": ampscaler.LoggingSink,
+        "LoggingSink": ampscaler.LoggingSink, "HeadroomPolicy": ampscaler.HeadroomPolicy,
     }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -11,7 +11,7 @@ import pytest
 from matplotlib.image import imread
 
 from ampscaler.cli import main
-from ampscaler.demo import FP16_AMPSCALER, FP16_NO_SCALING, FP32, DemoConfig
+from ampscaler.demo import FP16_AMPSCALER, FP16_HEADROOM, FP16_NO_SCALING, FP32, DemoConfig
 from ampscaler.demo.run import run_demo
 
 ARMS = [FP32, FP16_NO_SCALING, FP16_AMPSCALER]
@@ -102,3 +102,34 @@ def test_default_demo_shows_underflow_and_its_rescue(tmp_path: Path) -> None:
     assert final[FP16_NO_SCALING] >= 1.5 * final[FP16_AMPSCALER]
     assert abs(final[FP16_AMPSCALER] - final[FP32]) <= 0.1 * final[FP32]
     assert outcome.results[FP16_AMPSCALER].skipped_steps > 0  # the scale really moved both ways
+
+
+def test_policy_headroom_adds_a_fourth_arm_that_skips_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "30", "--out", str(out), "--policy", "headroom"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["arms"]) == [*ARMS, FP16_HEADROOM]
+    assert summary["config"]["policy"] == "headroom"
+    assert summary["arms"][FP16_HEADROOM]["skipped_steps"] == 0
+    # Set by measurement at once, where growing every 10 steps from 2**16 reached 2**19.
+    assert summary["arms"][FP16_AMPSCALER]["final_scale"] == 2.0**19
+    assert summary["arms"][FP16_HEADROOM]["final_scale"] >= 2.0**20
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith(FP16_HEADROOM))
+    assert row.split()[3] == "0"  # its skipped-step count, in the table
+    assert "HeadroomPolicy skipped 0 steps" in printed and "four ways" in printed
+    assert len((out / "steps.jsonl").read_text().splitlines()) == 4 * 30
+
+
+def test_the_default_demo_has_no_policy_key_and_a_bad_policy_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "2", "--out", str(out)]) == 0
+    assert "policy" not in json.loads((out / "summary.json").read_text())["config"]
+    assert main(["demo", "--policy", "fixed"]) == 2
+    assert "--policy" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="policy must be one of default, headroom"):
+        run_demo(DemoConfig(steps=1), tmp_path, progress=False, policy="fixed")

@@ -23,7 +23,7 @@ from .observe.localize import NonFiniteTracer, OverflowReport
 from .observe.probe import GradientProbe, ProbeResult
 from .observe.records import StepRecord, read_log
 from .observe.sinks import JsonlSink, LoggingSink, Sink, StepHistory, TensorBoardSink
-from .policy import Policy, ScalePolicy, StaticPolicy
+from .policy import HeadroomPolicy, Policy, ScalePolicy, StaticPolicy
 from .scaler import GradScaler, OptState
 from .state import ScalerStats
 
@@ -32,6 +32,7 @@ __all__ = [
     "CollapseWatch",
     "GradScaler",
     "GradientProbe",
+    "HeadroomPolicy",
     "InvalidConfigError",
     "InvalidStateDictError",
     "JsonlSink",

@@ -11,6 +11,14 @@ loads into torch; a torch state dict loads here and leaves ampscaler's own optio
 A :class:`~ampscaler.policy.StaticPolicy` is saved as ``dynamic: False`` with torch's default
 factors under torch's keys (torch's scaler has no static mode; it needs the keys).
 
+A :class:`~ampscaler.HeadroomPolicy` adds one key, ``headroom``: its configuration and its own
+state (``target``, ``history``, ``measured``, ``iteration``), so a resumed run measures and
+scales exactly as the uninterrupted one. Under torch's keys it saves ``growth_interval =
+recovery_interval`` and its ``backoff_factor`` (torch's scaler, loading it, grows as rarely as
+the policy recovers from an overflow). A dict without ``headroom`` (torch's, or one saved with
+another policy) loaded into a scaler with a HeadroomPolicy: torch's leaves the policy as
+constructed, with nothing measured yet; ampscaler's replaces it, as any ampscaler dict does.
+
 Example:
     >>> from ampscaler.policy import ScalePolicy
     >>> from ampscaler.state import HostState
@@ -24,9 +32,10 @@ Example:
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -35,7 +44,16 @@ from .distributed import RankAgreement
 from .errors import InvalidConfigError, InvalidStateDictError, ScalerUsageError
 from .guards import GuardSet
 from .observe.api import StepOutcome
-from .policy import Policy, ScalePolicy, StaticPolicy, float32_value
+from .policy import (
+    HEADROOM_FIELDS,
+    HeadroomPolicy,
+    Policy,
+    ScalePolicy,
+    StaticPolicy,
+    float32_value,
+    initial_state,
+    torch_rule,
+)
 from .state import HostState, LiveState, ScalerStats
 
 __all__ = [
@@ -44,6 +62,7 @@ __all__ = [
     "Loaded",
     "check_skip_limit",
     "from_state_dict",
+    "headroom_settings",
     "policy_settings",
     "to_state_dict",
 ]
@@ -62,7 +81,7 @@ def check_skip_limit(limit: object) -> int | None:
 
 def policy_settings(policy: Policy, limit: int | None) -> dict[str, float | int | bool | None]:
     """The configuration part of a state dict (also what ranks compare before agreeing)."""
-    rule = policy if isinstance(policy, ScalePolicy) else ScalePolicy()
+    rule = torch_rule(policy)
     return {
         "growth_factor": rule.growth_factor,
         "backoff_factor": rule.backoff_factor,
@@ -70,20 +89,42 @@ def policy_settings(policy: Policy, limit: int | None) -> dict[str, float | int 
         "hysteresis": rule.hysteresis,
         "min_scale": rule.min_scale,
         "max_scale": rule.max_scale,
-        "dynamic": isinstance(policy, ScalePolicy),
+        "dynamic": not isinstance(policy, StaticPolicy),
         "max_consecutive_skips": limit,
     }
 
 
+def _headroom_config(policy: HeadroomPolicy) -> dict[str, float | int | None]:
+    return {f.name: getattr(policy, f.name) for f in fields(policy)}
+
+
+def headroom_settings(policy: Policy) -> dict[str, float | int | None]:
+    """A HeadroomPolicy's own configuration, as ranks compare it (empty for other policies)."""
+    if not isinstance(policy, HeadroomPolicy):
+        return {}
+    return {f"headroom.{name}": value for name, value in _headroom_config(policy).items()}
+
+
 def to_state_dict(policy: Policy, limit: int | None, state: HostState) -> dict[str, Any]:
     """The state dict of a scaler with ``policy``, skip ``limit`` and ``state``."""
-    return {
+    saved: dict[str, Any] = {
         "scale": state.scale,
         "_growth_tracker": state.growth_tracker,
         "_hysteresis_tracker": state.hysteresis_left,
         **policy_settings(policy, limit),
         "stats": state.stats.as_dict(),
     }
+    if isinstance(policy, HeadroomPolicy):
+        extra = state.extra or _fresh_headroom(policy, state.scale)
+        saved["headroom"] = {**_headroom_config(policy), **extra}
+    return saved
+
+
+def _fresh_headroom(policy: HeadroomPolicy, scale: float) -> dict[str, Any]:
+    """A HeadroomPolicy's own state before anything was measured (at ``scale``)."""
+    live = initial_state(policy, scale, torch.device("cpu"))
+    values = live._asdict()
+    return {name: values[name].tolist() for name in HEADROOM_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -95,7 +136,23 @@ class Loaded:
     state: HostState
 
 
+def _headroom_section(saved: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    section = saved.get("headroom")
+    if section is not None and not isinstance(section, Mapping):
+        raise InvalidConfigError(f"headroom must be a dict, got {section!r}.")
+    return section
+
+
 def _loaded_policy(saved: Mapping[str, Any], current: Policy) -> Policy:
+    section = _headroom_section(saved)
+    if section is not None:
+        names = [f.name for f in fields(HeadroomPolicy)]
+        missing = [name for name in names if name not in section]
+        if missing:
+            raise InvalidConfigError(f"headroom lacks {missing}.")
+        return HeadroomPolicy(**{name: section[name] for name in names})
+    if isinstance(current, HeadroomPolicy) and "dynamic" not in saved:
+        return current  # torch's dict: ampscaler's own options stay as constructed
     dynamic = saved.get("dynamic", isinstance(current, ScalePolicy))
     if not isinstance(dynamic, bool):
         raise InvalidConfigError(f"dynamic must be True or False, got {dynamic!r}.")
@@ -128,7 +185,42 @@ def _loaded_state(saved: Mapping[str, Any], policy: Policy) -> HostState:
         raise InvalidConfigError(
             f"_hysteresis_tracker must not exceed hysteresis ({policy.hysteresis}), got {budget}."
         )
-    return HostState(scale, tracker, budget, ScalerStats(**counts))
+    extra = {}
+    section = _headroom_section(saved)
+    if isinstance(policy, HeadroomPolicy) and section is not None:
+        extra = _loaded_headroom(section, policy)
+    return HostState(scale, tracker, budget, ScalerStats(**counts), extra)
+
+
+def _loaded_headroom(section: Mapping[str, Any], policy: HeadroomPolicy) -> dict[str, Any]:
+    """A HeadroomPolicy's own state from ``headroom``, validated."""
+    extra: dict[str, Any] = {name: section.get(name) for name in HEADROOM_FIELDS}
+    history = extra["history"]
+    if not (
+        isinstance(history, (list, tuple))
+        and len(history) == policy.history_length
+        and all(_finite(value, at_least=0.0) for value in history)
+    ):
+        raise InvalidConfigError(
+            f"headroom['history'] must be a list of {policy.history_length} finite numbers "
+            f">= 0 (history_length), got {history!r}."
+        )
+    extra["history"] = [float(value) for value in history]
+    extra["target"] = policy.check_scale("headroom['target']", extra["target"])
+    for name in ("measured", "iteration"):
+        value = extra[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidConfigError(f"headroom[{name!r}] must be an int >= 0, got {value!r}.")
+    return extra
+
+
+def _finite(value: object, at_least: float) -> bool:
+    """Whether ``value`` is a real number, finite and >= ``at_least``."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and at_least <= value < math.inf
+    )
 
 
 def from_state_dict(
@@ -180,7 +272,7 @@ class CheckpointMethods:
     _last_outcome: StepOutcome | None
     _outcomes: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepOutcome]
     _saw: Callable[[float], None]  # tells the fused route the scale's value
-    _set_policy: Callable[[Policy], None]
+    _set_policy: Callable[[Policy, int], None]
     _init_scale: float
     _agreement: RankAgreement | None
     _guards: GuardSet
@@ -233,12 +325,13 @@ class CheckpointMethods:
         if not self._enabled:
             return
         loaded = from_state_dict(state_dict, self._policy, self._max_consecutive_skips)
-        self._set_policy(loaded.policy)
+        if isinstance(self._state, LiveState):
+            self._state.settle()  # an update handed over under torch.compile: done before
+        self._set_policy(loaded.policy, loaded.state.extra.get("iteration", 0))
         self._max_consecutive_skips = loaded.max_consecutive_skips
         self._init_scale = loaded.state.scale
         if isinstance(self._state, LiveState):
-            self._state.settle()  # an update handed over under torch.compile: done before
-            self._state.load(loaded.state)
+            self._state.load(loaded.state, loaded.policy)
             self._saw(float32_value(loaded.state.scale))
         else:
             self._state = loaded.state

@@ -165,8 +165,15 @@ def _add_demo(commands: _Commands) -> None:
             "Train one small embedded model three ways with identical initialisation and data: "
             "fp32, fp16 autocast without loss scaling, and fp16 autocast with ampscaler's "
             "GradScaler. Prints a summary table and writes summary.json, steps.jsonl, loss.png "
-            "and scale.png."
+            "and scale.png. --policy headroom adds a fourth way, fp16_headroom: the scale set "
+            "from measured gradients (HeadroomPolicy) instead of grown until it overflows."
         ),
+    )
+    parser.add_argument(
+        "--policy",
+        choices=("default", "headroom"),
+        default="default",
+        help="default: the three arms; headroom: also fp16 with HeadroomPolicy",
     )
     parser.add_argument(
         "--steps", type=_positive_int, default=300, metavar="N", help="steps per arm (300)"
@@ -201,8 +208,8 @@ def _new_demo_folder() -> Path:
 
 def _run_demo(args: argparse.Namespace) -> int:
     require_extra("demo", "demo", ["matplotlib", "tqdm"])
-    from .demo import DemoConfig
-    from .demo.run import DEMO_FILES, run_demo, summary_table
+    from .demo import FP16_AMPSCALER, FP16_HEADROOM, FP32, DemoConfig
+    from .demo.run import DEMO_FILES, GROWTH_INTERVAL, run_demo, summary_table
 
     if args.out is not None and not args.overwrite:
         earlier = [name for name in DEMO_FILES if (args.out / name).exists()]
@@ -213,9 +220,10 @@ def _run_demo(args: argparse.Namespace) -> int:
             )
     out = output_folder(args.out if args.out is not None else _new_demo_folder())
     config = DemoConfig(steps=args.steps, seed=args.seed)
-    print(f"Training the demo model three ways, {config.steps} steps each ...", flush=True)
+    ways = "four" if args.policy == "headroom" else "three"
+    print(f"Training the demo model {ways} ways, {config.steps} steps each ...", flush=True)
     try:
-        outcome = run_demo(config, out)
+        outcome = run_demo(config, out, policy=args.policy)
     except OSError as error:
         raise CommandError(f"cannot write into {out} ({error.strerror or error}).") from error
     print()
@@ -225,6 +233,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"fp16 without scaling ends {outcome.unscaled_over_scaled:.1f}x above fp16 with "
         f"ampscaler; ampscaler ends {outcome.scaled_vs_fp32:+.1%} from fp32."
     )
+    if FP16_HEADROOM in outcome.results:
+        headroom = outcome.results[FP16_HEADROOM]
+        print(
+            f"HeadroomPolicy skipped {headroom.skipped_steps} steps where growing every "
+            f"{GROWTH_INTERVAL} steps skipped {outcome.results[FP16_AMPSCALER].skipped_steps}; "
+            f"it ends {headroom.final_loss / outcome.results[FP32].final_loss - 1:+.1%} from "
+            "fp32."
+        )
     print(f"Wrote {', '.join(path.name for path in outcome.files)} to {out}/")
     return 0
 

@@ -49,7 +49,7 @@ from torch.amp.grad_scaler import OptState as TorchOptState
 from .errors import InvalidConfigError, ScalerUsageError
 from .grads.check import FusedRoute, combined_flag, unscale_per_device_
 from .grads.collect import collect
-from .policy import Policy, ScalePolicy, float32_value
+from .policy import HeadroomPolicy, Policy, ScalePolicy, float32_value, torch_rule
 from .state import HostState, LiveState
 
 __all__ = [
@@ -136,6 +136,13 @@ class TorchPolicyMethods:
             self._route.set_policy(policy)
 
     def _set_rule(self, funcname: str, **changes: Any) -> None:
+        if isinstance(self._policy, HeadroomPolicy):
+            raise ScalerUsageError(
+                f"{funcname}() changes the growth rule, but this scaler's policy is "
+                f"{self._policy}, which sets the scale from measured gradients and has no "
+                "growth rule; construct the scaler with the HeadroomPolicy you want, or with "
+                "policy=ScalePolicy(...) for torch's rule."
+            )
         if not isinstance(self._policy, ScalePolicy):
             raise ScalerUsageError(
                 f"{funcname}() changes the dynamic rule, but this scaler's policy is "
@@ -145,8 +152,8 @@ class TorchPolicyMethods:
         self._set_policy(replace(self._policy, **changes))
 
     def _rule(self) -> ScalePolicy:
-        """The dynamic rule's numbers (torch's defaults for a static policy, as saved)."""
-        return self._policy if isinstance(self._policy, ScalePolicy) else ScalePolicy()
+        """The dynamic rule's numbers, as saved (:func:`~ampscaler.policy.torch_rule`)."""
+        return torch_rule(self._policy)
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` clean steps."""

@@ -27,7 +27,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from .checkpoint import CheckpointMethods, check_skip_limit, policy_settings
+from .checkpoint import CheckpointMethods, check_skip_limit, headroom_settings, policy_settings
 from .compat import (
     TorchPolicyMethods,
     TorchPrivateMethods,
@@ -43,10 +43,11 @@ from .grads.check import FusedRoute, check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .guards import Guard, GuardSet
+from .headroom import HeadroomMeter, check_alone
 from .master import MasterWeightOptimizer
 from .observe.api import ObserverMethods, StepOutcome
 from .observe.monitor import Monitor
-from .policy import Policy, policy_from_arguments
+from .policy import HeadroomPolicy, Policy, policy_from_arguments, starting_scale
 from .state import HostState, LiveState
 
 __all__ = ["GradScaler", "OptState"]
@@ -144,9 +145,11 @@ class GradScaler(
         enabled: ``False`` makes every method a pass-through: ``scale`` returns its input,
             ``step`` calls ``optimizer.step``, ``get_scale`` returns 1.0.
         policy: how the scale moves, as an object: :class:`~ampscaler.ScalePolicy` (torch's
-            rule, plus hysteresis and bounds) or :class:`~ampscaler.StaticPolicy`. The
-            arguments ``growth_factor`` to ``growth_interval`` and ``hysteresis`` to
-            ``dynamic`` are shorthands for it; pass one or the other.
+            rule, plus hysteresis and bounds), :class:`~ampscaler.StaticPolicy`, or
+            :class:`~ampscaler.HeadroomPolicy` (set from measured gradients; it starts at its
+            own ``first_scale``, not at ``init_scale``, and measures the models given to
+            :meth:`watch`). The arguments ``growth_factor`` to ``growth_interval`` and
+            ``hysteresis`` to ``dynamic`` are shorthands for it; pass one or the other.
         hysteresis: shorthand for :class:`~ampscaler.ScalePolicy`'s (``1``: torch's rule).
         min_scale: shorthand for :class:`~ampscaler.ScalePolicy`'s (``None``: no bound).
         max_scale: shorthand for :class:`~ampscaler.ScalePolicy`'s (``None``: no bound).
@@ -201,7 +204,7 @@ class GradScaler(
             "min_scale": min_scale, "max_scale": max_scale,
         }  # fmt: skip
         self._policy = policy_from_arguments(policy, dynamic, rule)
-        scale = self._init_scale = self._policy.check_scale("init_scale", init_scale)
+        scale = self._init_scale = starting_scale(self._policy, init_scale)
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
         if not isinstance(flat_grads, bool):
             raise InvalidConfigError(f"flat_grads must be True or False, got {flat_grads!r}.")
@@ -220,6 +223,9 @@ class GradScaler(
         # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
         self._first_iteration = True
         self._monitor = Monitor(enabled=self._enabled)
+        self._meter: HeadroomMeter | None = None  # measures for a HeadroomPolicy
+        self._checked_alone = False  # whether a meter without process_group was allowed
+        self._follow(self._policy)
         self._agreement = None if process_group is None else RankAgreement(process_group)
         self._attach_shorthands(history_size, probe_every, trace_nonfinite)
         if self._enabled and self._device == "cpu":
@@ -251,6 +257,29 @@ class GradScaler(
                 f"scaler.{funcname}()."
             )
         return self._state  # settled by scale(), which every iteration starts with
+
+    def _set_policy(self, policy: Policy, iteration: int = 0) -> None:
+        """Use ``policy`` from now on (a setter, a loaded checkpoint whose policy's own count
+        of iterations is ``iteration``)."""
+        super()._set_policy(policy)
+        self._follow(policy, iteration)
+
+    def _follow(self, policy: Policy, iteration: int = 0) -> None:
+        """Measure for ``policy`` if it is a HeadroomPolicy, from its iteration ``iteration``."""
+        if not isinstance(policy, HeadroomPolicy):
+            if self._meter is not None:
+                self._meter = None
+                self._monitor.set_meter(None)
+        elif self._meter is None:
+            self._meter = HeadroomMeter(policy, iteration)
+            self._monitor.set_meter(self._meter)
+        else:
+            self._meter.restart(policy, iteration)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self._meter is not None:  # a copy's monitor starts without the meter
+            self._monitor.set_meter(self._meter)
 
     def _saw(self, value: float) -> None:
         if self._route is not None:
@@ -422,7 +451,9 @@ class GradScaler(
         state = self._require_state("step")
         return {
             **policy_settings(self._policy, self._max_consecutive_skips),
-            **state.tensors._asdict(),
+            **headroom_settings(self._policy),
+            # A HeadroomPolicy's history is compared by its sum (one number per setting).
+            **{name: t if t.dim() == 0 else t.sum() for name, t in state.tensors._asdict().items()},
         }
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -565,6 +596,9 @@ class GradScaler(
         """
         if not self._enabled:
             return
+        if self._meter is not None and torch.compiler.is_compiling():
+            self._eager_update(new_scale)  # a graph break: the meter's schedule is Python
+            return
         state = self._require_state("update")
         if self._agreement is not None:
             self._agreement.settle()
@@ -586,13 +620,18 @@ class GradScaler(
             value = new_scale_value(new_scale, self._policy)
             old_scale = state.set_scale(value, found_inf, spiked)
             self._saw(value)
+            if self._meter is not None:
+                self._meter.skip()
         elif found_inf is None:
             raise ScalerUsageError(
                 "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
                 "for every optimizer of the iteration before scaler.update()."
             )
         else:
-            old_scale = state.advance(self._policy, found_inf, spiked)
+            measured = None if self._meter is None else self._measured(self._meter, state)
+            old_scale = state.advance(self._policy, found_inf, spiked, measured)
+            if self._meter is not None:
+                self._meter.advance()
             self._moved_by_policy()
         if found_inf is None:
             self._per_optimizer = {}
@@ -602,6 +641,25 @@ class GradScaler(
         self._end_iteration(found_inf, old_scale, state, spiked)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(state, self._max_consecutive_skips)
+
+    # update() runs eagerly under torch.compile with a HeadroomPolicy (whose measuring
+    # schedule is a Python count, which a compiled graph would be guarded on).
+    _eager_update = torch.compiler.disable(update)  # type: ignore[no-untyped-call]
+
+    def _measured(self, meter: HeadroomMeter, state: LiveState) -> torch.Tensor | None:
+        """The iteration's measurement for a HeadroomPolicy (``None``: not measured), agreed
+        across the ranks of ``process_group`` (an all_reduce of one value, on measured
+        iterations only: every rank follows the same schedule)."""
+        measured = meter.take(state.device)
+        if measured is None:
+            return None
+        if self._agreement is not None:
+            measured = self._agreement.launch(measured)
+            self._agreement.settle()
+        elif not self._checked_alone:
+            self._checked_alone = True
+            check_alone()
+        return measured
 
     def _defers_update(self) -> bool:
         """Whether ``update()`` hands its work to the next read of the state: under

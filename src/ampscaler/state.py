@@ -25,12 +25,13 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import torch
 
-from .policy import Policy, ScaleState, initial_state
+from .policy import HeadroomPolicy, HeadroomState, Policy, PolicyState, ScaleState, initial_state
 
 __all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerStats", "StepCounters"]
 
@@ -204,12 +205,14 @@ class StepCounters:
 class HostState:
     """The same values as :class:`LiveState`, as Python numbers: what a scaler holds before
     its first ``scale()`` (when the device is not known yet), and what checkpoints and pickles
-    carry."""
+    carry. ``extra``: a :class:`~ampscaler.HeadroomPolicy`'s own fields (history, counts) by
+    name; empty for the other policies."""
 
     scale: float
     growth_tracker: int
     hysteresis_left: int
     stats: ScalerStats = ScalerStats()
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class LiveState:
@@ -219,7 +222,9 @@ class LiveState:
         scale: the loss scale, a 0-dim float32 tensor.
         growth_tracker: clean steps in a row, a 0-dim int32 tensor.
         hysteresis_left: overflows still absorbed before the next backoff, 0-dim int32.
-        tensors: the three as a :class:`~ampscaler.policy.ScaleState`.
+        tensors: the three as a :class:`~ampscaler.policy.ScaleState` (a
+            :class:`~ampscaler.policy.HeadroomState`, which adds its own, for a
+            :class:`~ampscaler.HeadroomPolicy`).
         counters: the step counters.
         device: where the state lives.
         unused_scale: the scale as given (not rounded to float32) until the first ``scale()``
@@ -232,6 +237,7 @@ class LiveState:
         growth_tracker: the starting growth tracker.
         hysteresis_left: the starting hysteresis budget (``None``: the policy's full budget).
         stats: the starting counters (``None``: all zero).
+        extra: a :class:`~ampscaler.HeadroomPolicy`'s own starting values (``None``: fresh).
     """
 
     def __init__(
@@ -243,12 +249,13 @@ class LiveState:
         growth_tracker: int = 0,
         hysteresis_left: int | None = None,
         stats: ScalerStats | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
-        self.tensors: ScaleState = initial_state(
-            policy, scale, device, growth_tracker, hysteresis_left
+        self.tensors: PolicyState = initial_state(
+            policy, scale, device, growth_tracker, hysteresis_left, extra
         )
         # The same tensor objects for the state's lifetime, by name.
-        self.scale, self.growth_tracker, self.hysteresis_left = self.tensors
+        self.scale, self.growth_tracker, self.hysteresis_left = self.tensors[:3]
         self.device = self.scale.device
         self.counters = StepCounters(self.scale, stats)
         self.unused_scale: float | None = scale
@@ -267,27 +274,45 @@ class LiveState:
             growth_tracker=host.growth_tracker,
             hysteresis_left=host.hysteresis_left,
             stats=host.stats,
+            extra=host.extra,
         )
 
     def to_host(self) -> HostState:
         """The values as Python numbers (a host sync)."""
-        scale, tracker, budget = torch.stack(
-            [t.to(torch.float64) for t in self.tensors]
-        ).tolist()
+        values = torch.cat([t.reshape(-1).to(torch.float64) for t in self.tensors]).tolist()
+        scale, tracker, budget = values[:3]
         if self.unused_scale is not None:
             scale = self.unused_scale
-        return HostState(scale, int(tracker), int(budget), self.counters.stats())
+        extra: dict[str, Any] = {}
+        at = 3
+        for name, tensor in list(self.tensors._asdict().items())[3:]:
+            taken = values[at : at + tensor.numel()]
+            at += tensor.numel()
+            if tensor.dim():
+                extra[name] = taken
+            else:
+                extra[name] = taken[0] if tensor.is_floating_point() else int(taken[0])
+        return HostState(scale, int(tracker), int(budget), self.counters.stats(), extra)
 
     def advance(
-        self, policy: Policy, found_inf: torch.Tensor, spiked: torch.Tensor | None = None
+        self,
+        policy: Policy,
+        found_inf: torch.Tensor,
+        spiked: torch.Tensor | None = None,
+        measured: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
-        does not see): move the state by ``policy``, count it.
+        does not see; and what a :class:`~ampscaler.HeadroomPolicy` ``measured``): move the
+        state by ``policy``, count it.
 
         Returns a copy of the scale the iteration started from. No host sync.
         """
         old = self.scale.clone()
-        policy.update_(self.tensors, found_inf)
+        if isinstance(policy, HeadroomPolicy):
+            policy.update_(self.tensors, found_inf, measured)
+        else:
+            assert isinstance(self.tensors, ScaleState)  # made for the policy in force
+            policy.update_(self.tensors, found_inf)
         self.counters.record(found_inf, old, spiked)
         return old
 
@@ -314,12 +339,20 @@ class LiveState:
         """
         if not (torch.compiler.is_compiling() or self.deferred):
             return
+        if isinstance(self._pending_policy, HeadroomPolicy) and not self.deferred:
+            return  # its updates never wait for a read (nothing to mask under torch.compile)
         found = self._pending[0]
         for flag in self._pending[1:]:
             found = found + flag
         pending = ~torch.isnan(found)
         old = self.scale.clone()
-        moved = self._pending_policy.adjust(self.tensors, torch.where(pending, found, 0.0))
+        policy = self._pending_policy
+        found_or_zero = torch.where(pending, found, 0.0)
+        if isinstance(policy, HeadroomPolicy):
+            moved: PolicyState = policy.adjust(self.tensors, found_or_zero)
+        else:
+            assert isinstance(self.tensors, ScaleState)  # made for the policy in force
+            moved = policy.adjust(self.tensors, found_or_zero)
         for live, value in zip(self.tensors, moved, strict=True):
             if value is not live:
                 live.copy_(torch.where(pending, value, live))
@@ -333,19 +366,35 @@ class LiveState:
         found_inf: torch.Tensor | None,
         spiked: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``update(new_scale)``: write ``value`` into the scale; count the iteration when
-        ``found_inf`` is given. Returns a copy of the old scale."""
+        """``update(new_scale)``: write ``value`` into the scale (for a
+        :class:`~ampscaler.HeadroomPolicy` also into what its measurements and overflows allow,
+        until the next measurement or overflow); count the iteration when ``found_inf`` is
+        given. Returns a copy of the old scale."""
         old = self.scale.clone()
         self.scale.fill_(value)
+        if isinstance(self.tensors, HeadroomState):  # held until the next measurement
+            self.tensors.target.fill_(value)
         if found_inf is not None:
             self.counters.record(found_inf, old, spiked)
         return old
 
-    def load(self, host: HostState) -> None:
-        """Overwrite every value with ``host``'s (a loaded checkpoint), keeping the tensors."""
+    def load(self, host: HostState, policy: Policy) -> None:
+        """Overwrite every value with ``host``'s (a loaded checkpoint for ``policy``), keeping
+        the tensors: the scale, tracker and budget always, a
+        :class:`~ampscaler.HeadroomPolicy`'s own unless their shapes change."""
         if self.unused_scale is not None:
             self.unused_scale = host.scale
         self.scale.fill_(host.scale)
         self.growth_tracker.fill_(host.growth_tracker)
         self.hysteresis_left.fill_(host.hysteresis_left)
         self.counters.reset(host.stats)
+        loaded = initial_state(policy, host.scale, self.device, extra=host.extra)
+        if type(loaded) is type(self.tensors) and all(
+            old.shape == new.shape for old, new in zip(self.tensors, loaded, strict=True)
+        ):
+            for old, new in zip(self.tensors[3:], loaded[3:], strict=True):
+                old.copy_(new)
+        else:
+            self.tensors = type(loaded)(self.scale, self.growth_tracker, self.hysteresis_left,
+                                        *loaded[3:])
+        self._pending_policy = policy

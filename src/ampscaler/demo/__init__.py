@@ -42,14 +42,20 @@ library's :class:`~ampscaler.GradientProbe`, held against an fp32 reference pass
 gradients that are non-zero in fp32 are exactly zero in the unscaled arm, next to none in the
 scaled one.
 
+A fourth arm, ``fp16_headroom`` (``python -m ampscaler demo --policy headroom``), trains the same
+way with :class:`~ampscaler.HeadroomPolicy`, which sets the scale from measured gradient
+magnitudes instead of growing it until a step overflows: it skips no step, where the scaled
+arm's growth every 10 steps skips about ten.
+
 The pieces: :mod:`ampscaler.demo.model` (the task and the model), :mod:`ampscaler.demo.train`
 (training one arm, with :class:`~ampscaler.StepRecord` per step and the probe on the linear
-layers), :mod:`ampscaler.demo.run` (the three arms, the summary and the plots).
+layers), :mod:`ampscaler.demo.run` (the arms, the summary and the plots).
 """
 
 from ampscaler.demo.model import TaskSpec, Teacher, batches, build_student
 from ampscaler.demo.train import (
     FP16_AMPSCALER,
+    FP16_HEADROOM,
     FP16_NO_SCALING,
     FP32,
     Arm,
@@ -69,6 +75,7 @@ from ampscaler.demo.train import (
 
 __all__ = [
     "FP16_AMPSCALER",
+    "FP16_HEADROOM",
     "FP16_NO_SCALING",
     "FP32",
     "Arm",

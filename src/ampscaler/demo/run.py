@@ -1,7 +1,9 @@
 """Running the whole demo: three arms with progress bars, then files a person can look at.
 
 :func:`run_demo` trains the arms of :func:`~ampscaler.demo.standard_arms` with
-``ampscaler.GradScaler`` in the scaled arm, and writes into one folder:
+``ampscaler.GradScaler`` in the scaled arm (and with ``policy="headroom"`` a fourth,
+``fp16_headroom``: ``ampscaler.GradScaler(policy=HeadroomPolicy())``), and writes into one
+folder:
 
 - ``summary.json``: ``{"arms": {"fp32": {...}, "fp16_no_scaling": {...}, "fp16_ampscaler":
   {...}}, "config": {...}, "checks": {...}}``; each arm has ``final_loss`` (mean over the last
@@ -10,8 +12,8 @@
 - ``steps.jsonl``: one :class:`~ampscaler.StepRecord` per arm and step, as a line of the step
   log format (:mod:`ampscaler.observe.records`) labelled with the arm's name: ``step``,
   ``loss``, ``lr``, ``skipped``, ``scale``, ``new_scale`` and, on probed steps, ``probe``;
-- ``loss.png``: the three loss curves on one chart; ``scale.png``: the scaled arm's loss scale
-  over steps, skipped steps marked.
+- ``loss.png``: the loss curves on one chart; ``scale.png``: the scaled arm's loss scale over
+  steps, skipped steps marked (both scaled arms' with ``policy="headroom"``).
 
 Needs matplotlib and tqdm (``pip install 'ampscaler[demo]'``).
 """
@@ -30,8 +32,10 @@ import torch
 
 from ampscaler.demo.train import (
     FP16_AMPSCALER,
+    FP16_HEADROOM,
     FP16_NO_SCALING,
     FP32,
+    Arm,
     ArmResult,
     DemoConfig,
     LossScaler,
@@ -39,14 +43,18 @@ from ampscaler.demo.train import (
     train_arm,
 )
 from ampscaler.observe.records import StepRecord
+from ampscaler.policy import HeadroomPolicy
 from ampscaler.scaler import GradScaler
 
 __all__ = [
     "DEMO_FILES",
     "DEMO_THREADS",
     "GROWTH_INTERVAL",
+    "POLICIES",
     "DemoOutcome",
+    "demo_arms",
     "demo_scaler",
+    "headroom_scaler",
     "run_demo",
     "summary_table",
 ]
@@ -65,9 +73,34 @@ GROWTH_INTERVAL = 10
 steps, which is what a dynamic loss scaler does over a long run."""
 
 
+POLICIES = ("default", "headroom")
+"""What ``policy=`` takes: the three arms, or those and ``fp16_headroom``."""
+
+
 def demo_scaler() -> LossScaler:
     """The scaled arm's scaler: ``ampscaler.GradScaler("cpu", growth_interval=10)``."""
     return GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+
+
+def headroom_scaler() -> LossScaler:
+    """The ``fp16_headroom`` arm's scaler: ``ampscaler.GradScaler("cpu",
+    policy=HeadroomPolicy())``, which the arm's trainer gives the model to watch."""
+    return GradScaler("cpu", policy=HeadroomPolicy())
+
+
+def demo_arms(policy: str = "default") -> tuple[Arm, ...]:
+    """The arms of a demo run: :func:`~ampscaler.demo.standard_arms` with :func:`demo_scaler`,
+    and for ``policy="headroom"`` the ``fp16_headroom`` arm after them.
+
+    Raises:
+        ValueError: ``policy`` is not one of :data:`POLICIES`.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}.")
+    arms = standard_arms(demo_scaler)
+    if policy == "headroom":
+        return (*arms, Arm(FP16_HEADROOM, fp16=True, scaler_factory=headroom_scaler))
+    return arms
 
 
 @dataclass(frozen=True)
@@ -142,13 +175,15 @@ def _plot_losses(results: dict[str, ArmResult], path: Path) -> Path:
         FP32: {"color": "black", "linestyle": "--", "zorder": 3, "linewidth": 1.0},
         FP16_NO_SCALING: {"color": "#d62728", "linewidth": 1.2},
         FP16_AMPSCALER: {"color": "#1f77b4", "linewidth": 2.0},
+        FP16_HEADROOM: {"color": "#2ca02c", "linewidth": 1.4},
     }
     for name, result in results.items():
         axes.plot(result.losses, label=name, **styles.get(name, {}))
     axes.set_yscale("log")
     axes.set_xlabel("step")
     axes.set_ylabel("training loss (MSE)")
-    axes.set_title("The same model, data and initialisation, trained three ways")
+    ways = {3: "three", 4: "four"}.get(len(results), str(len(results)))
+    axes.set_title(f"The same model, data and initialisation, trained {ways} ways")
     axes.grid(True, which="major", alpha=0.3)
     axes.legend(loc="best")
     figure.savefig(path, format="png")
@@ -177,10 +212,10 @@ def _log_step(
 
 
 def _train_logged(
-    config: DemoConfig, log: TextIO, progress: bool
+    config: DemoConfig, log: TextIO, progress: bool, arms: tuple[Arm, ...]
 ) -> dict[str, ArmResult]:
     results: dict[str, ArmResult] = {}
-    for arm in standard_arms(demo_scaler):
+    for arm in arms:
         advance, bar = _progress(arm.name, config.steps, progress)
         try:
             results[arm.name] = train_arm(arm, config, partial(_log_step, log, arm.name, advance))
@@ -189,19 +224,38 @@ def _train_logged(
     return results
 
 
-def run_demo(config: DemoConfig, out: Path, progress: bool = True) -> DemoOutcome:
-    """Train the three arms with ``config`` and write the summary, log and plots into ``out``.
+def _scaled_records(results: dict[str, ArmResult]) -> list[StepRecord]:
+    """What scale.png shows: the scaled arm's records; with the headroom arm, both arms' records,
+    labelled by arm (one line each)."""
+    if FP16_HEADROOM not in results:
+        return results[FP16_AMPSCALER].records
+    return [
+        replace(record, label=name)
+        for name in (FP16_AMPSCALER, FP16_HEADROOM)
+        for record in results[name].records
+    ]
+
+
+def run_demo(
+    config: DemoConfig, out: Path, progress: bool = True, policy: str = "default"
+) -> DemoOutcome:
+    """Train the arms of :func:`demo_arms` with ``config`` and write the summary, log and plots
+    into ``out``.
 
     ``out`` must exist. Progress bars go to stderr (off with ``progress=False``).
+
+    Raises:
+        ValueError: ``policy`` is not one of :data:`POLICIES`.
     """
     from ampscaler.report import plot_scale
 
+    arms = demo_arms(policy)
     steps_path = out / "steps.jsonl"
     threads = torch.get_num_threads()
     torch.set_num_threads(DEMO_THREADS)
     try:
         with steps_path.open("w", encoding="utf-8") as log:
-            results = _train_logged(config, log, progress)
+            results = _train_logged(config, log, progress, arms)
     finally:
         torch.set_num_threads(threads)
     outcome = DemoOutcome(results, [])
@@ -214,6 +268,7 @@ def run_demo(config: DemoConfig, out: Path, progress: bool = True) -> DemoOutcom
             "probe_every": config.probe_every,
             "growth_interval": GROWTH_INTERVAL,
             "task": asdict(config.task),
+            **({} if policy == "default" else {"policy": policy}),
         },
         "checks": {
             "unscaled_over_scaled": outcome.unscaled_over_scaled,
@@ -226,6 +281,6 @@ def run_demo(config: DemoConfig, out: Path, progress: bool = True) -> DemoOutcom
         summary_path,
         steps_path,
         _plot_losses(results, out / "loss.png"),
-        plot_scale(results[FP16_AMPSCALER].records, out / "scale.png"),
+        plot_scale(_scaled_records(results), out / "scale.png"),
     ]
     return DemoOutcome(results, files)

@@ -33,6 +33,7 @@ from ampscaler.observe.records import StepRecord
 FP32 = "fp32"
 FP16_NO_SCALING = "fp16_no_scaling"
 FP16_AMPSCALER = "fp16_ampscaler"
+FP16_HEADROOM = "fp16_headroom"
 
 
 class LossScaler(Protocol):
@@ -266,6 +267,9 @@ class _ArmTrainer:
         self.model = build_student(config.task, config.seed)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.scaler = arm.scaler_factory() if arm.scaler_factory is not None else None
+        watch = getattr(self.scaler, "watch", None)
+        if watch is not None:  # ampscaler's: names its overflow reports; a HeadroomPolicy
+            watch(self.model)  # measures the model's activation gradients
         every = config.probe_every
         self.probe = activation_probe(self.model, every) if every is not None else None
 

@@ -38,12 +38,10 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..hostcopy import HostCopy
-from ..policy import Policy, StaticPolicy, float32_value
+from ..policy import HeadroomPolicy, Policy, StaticPolicy, float32_value, pow2_exponent
 
 __all__ = ["Pow2Watch", "pow2_exponent"]
 
@@ -51,19 +49,6 @@ __all__ = ["Pow2Watch", "pow2_exponent"]
 LOWEST_EXACT = -126
 #: Below this bound the watch starts copying the scale to the host to renew the bound.
 RENEW_BELOW = -64
-
-
-def pow2_exponent(value: float | None) -> int | None:
-    """``e`` when ``value`` is exactly ``2**e`` (a positive finite power of two), else ``None``.
-
-    Example:
-        >>> pow2_exponent(65536.0), pow2_exponent(0.25), pow2_exponent(3.0), pow2_exponent(None)
-        (16, -2, None, None)
-    """
-    if value is None or not (value > 0.0 and math.isfinite(value)):
-        return None
-    mantissa, exponent = math.frexp(value)
-    return exponent - 1 if mantissa == 0.5 else None
 
 
 class Pow2Watch:
@@ -158,6 +143,10 @@ def _exponent_drop(policy: Policy) -> int | None:
     """How far the scale's exponent can fall per ``update()`` under ``policy`` (0 for a static
     scale), or ``None`` when the policy can turn a power of two into something else."""
     if isinstance(policy, StaticPolicy):
+        return 0
+    if isinstance(policy, HeadroomPolicy):
+        # Every scale it sets is 2**e with e within its bounds, which float32's normal range
+        # holds (checked on construction): exact after any number of updates.
         return 0
     bounds = [b for b in (policy.min_scale, policy.max_scale) if b is not None]
     if pow2_exponent(policy.growth_factor) is None or any(

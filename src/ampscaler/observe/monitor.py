@@ -6,7 +6,9 @@
   the plain path, where ``step()`` already read the inf flag) and the inf flags of fused
   optimizers (localized only when somebody asks, since reading them is a host sync);
 * drives what is attached to it: a :class:`~ampscaler.GradientProbe` measures on its
-  iterations, a :class:`~ampscaler.NonFiniteTracer` names the module an overflow came from;
+  iterations, a :class:`~ampscaler.NonFiniteTracer` names the module an overflow came from,
+  the :class:`~ampscaler.headroom.HeadroomMeter` of a :class:`~ampscaler.HeadroomPolicy`
+  measures what the policy sets the scale from;
 * at ``update()``, when anything consumes records (a sink, :class:`~ampscaler.StepHistory`
   included, or an event callback), reads the iteration's outcome from the device in one host
   sync and hands a :class:`~ampscaler.StepRecord` to the sinks, in the order they were added,
@@ -42,6 +44,7 @@ from .sinks import Sink, StepHistory
 from .taps import WatchedModels
 
 if TYPE_CHECKING:
+    from ..headroom import HeadroomMeter
     from ..state import StepCounters
 
 __all__ = ["EVENTS", "Attachable", "Callback", "Monitor"]
@@ -95,6 +98,7 @@ class Monitor:
         self._record_callbacks = 0  # how many are registered in _callbacks
         self._probe: GradientProbe | None = None
         self._tracer: NonFiniteTracer | None = None
+        self.meter: HeadroomMeter | None = None
         self.collapse = CollapseWatch()
         self.tally = OverflowTally()
         self._models = WatchedModels()
@@ -114,9 +118,19 @@ class Monitor:
         if not self._enabled:
             return
         self._models.add(model, prefix)
-        for observer in (self._probe, self._tracer):
+        for observer in (self._probe, self._tracer, self.meter):
             if observer is not None:
                 observer.watch(model, prefix)
+
+    def set_meter(self, meter: HeadroomMeter | None) -> None:
+        """Measure for a :class:`~ampscaler.HeadroomPolicy` with ``meter`` (``None``: stop),
+        on the models watched so far and from now on."""
+        if self.meter is not None:
+            self.meter.detach()
+        self.meter = meter
+        if meter is not None and self._enabled:
+            for model, prefix in self._models:
+                meter.watch(model, prefix)
 
     def attach(self, observer: Attachable) -> None:
         """Attach a probe or a tracer (one of each), which taps the models watched so far and
@@ -209,6 +223,8 @@ class Monitor:
     def note_loss(self, loss: torch.Tensor) -> None:
         """Keep a loss given to ``scale()`` (no device work). Not to be called under
         ``torch.compile``, where keeping it would change a compiled guard every iteration."""
+        if self.meter is not None:
+            self.meter.start()
         losses = self._current.losses
         losses.append(loss.detach())
         if len(losses) > _KEEP_LOSSES:
@@ -221,9 +237,12 @@ class Monitor:
         return _loss_sum(losses) if losses else None
 
     def before_check(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
-        """Called with the scaled gradients, before they are checked; probes when due."""
+        """Called with the scaled gradients, before they are checked; probes and measures
+        when due."""
         if self._probe is not None:
             self._probe.measure(optimizer, scale)
+        if self.meter is not None:
+            self.meter.measure(optimizer)
 
     def note_step(
         self,

@@ -420,12 +420,7 @@ class GradientProbe:
         pending = self._take()
         self._reference = {}
         self._iteration += 1
-        due, armed = self.due, self._taps.attached
-        if due and not armed:
-            for model, prefix in self._models:
-                self._taps.attach(model, prefix)
-        elif armed and not due:
-            self._taps.detach()
+        self._taps.arm(self.due, self._models)
         return pending
 
     def _take(self) -> PendingProbe | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from functools import partial
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -87,6 +87,30 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+class _Inert:
+    """What a tap's hook becomes in a copied or pickled module: a hook that does nothing."""
+
+    def __call__(self, *args: object) -> None:
+        return None
+
+
+class _Hook:
+    """``call(*front, *args)`` as a module or tensor hook. A module that is deep-copied or
+    pickled while the hooks are on (``copy.deepcopy(model)`` for an EMA, ``torch.save(model)``)
+    gets an inert hook in its place: the copy is not watched, and the taps (which hold their
+    callback weakly) need not be copied."""
+
+    def __init__(self, call: Callable[..., None], *front: str) -> None:
+        self._call = call
+        self._front = front
+
+    def __call__(self, *args: Any) -> None:
+        self._call(*self._front, *args)
+
+    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
+        return (_Inert, ())
+
+
 class GradTaps:
     """Hooks that pass the gradients around leaf modules to ``callback``.
 
@@ -118,11 +142,11 @@ class GradTaps:
     def attach(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Register the hooks on every leaf module of ``model`` (names prefixed by ``prefix``)."""
         for name, module in leaf_modules(model, prefix):
-            self._handles.append(module.register_forward_hook(partial(self._forward, name)))
+            self._handles.append(module.register_forward_hook(_Hook(self._forward, name)))
             if self._params:
                 for param in module.parameters(recurse=False):
                     if param.requires_grad:
-                        hook = partial(self._tap, name, "param")
+                        hook = _Hook(self._tap, name, "param")
                         handle = param.register_hook(hook)  # type: ignore[no-untyped-call]
                         self._handles.append(handle)
 
@@ -131,6 +155,15 @@ class GradTaps:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def arm(self, due: bool, models: WatchedModels) -> None:
+        """Hooks on ``models`` when ``due`` (registered if missing), none otherwise: what an
+        observer that measures some iterations does at the end of each."""
+        if due and not self.attached:
+            for model, prefix in models:
+                self.attach(model, prefix)
+        elif self.attached and not due:
+            self.detach()
 
     def _forward(
         self, name: str, module: torch.nn.Module, args: tuple[object, ...], output: object
@@ -143,7 +176,7 @@ class GradTaps:
 
     def _hook(self, name: str, where: str, tensor: torch.Tensor) -> None:
         if tensor.requires_grad and tensor.is_floating_point():
-            tensor.register_hook(partial(self._tap, name, where))  # type: ignore[no-untyped-call]
+            tensor.register_hook(_Hook(self._tap, name, where))  # type: ignore[no-untyped-call]
 
     def _tap(self, name: str, where: str, grad: torch.Tensor) -> None:
         callback = self._callback()
