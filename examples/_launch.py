@@ -23,6 +23,24 @@ def init_distributed() -> torch.device:
     return torch.device("cpu")
 
 
+def sharded_mlp(device: torch.device) -> torch.nn.Sequential:
+    """A small MLP sharded with FSDP2 over every rank (each linear layer, then the whole):
+    its parameters and gradients are DTensor shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+    ).to(device)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def report_step(step: int, scale_before: float, scaler: GradScaler, device: torch.device) -> None:
     """Check that every rank holds the same scale; rank 0 prints the step's outcome."""
     mine = torch.tensor([scaler.get_scale()], dtype=torch.float64, device=device)

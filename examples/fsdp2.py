@@ -29,10 +29,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _launch import init_distributed, run
+from _launch import init_distributed, run, sharded_mlp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from ampscaler import GradScaler, SpikeGuard
 
@@ -40,15 +38,7 @@ from ampscaler import GradScaler, SpikeGuard
 def build(
     device: torch.device, fused: bool
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, GradScaler]:
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
-    ).to(device)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_mlp(device)  # FSDP2: parameters and gradients are DTensor shards
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     scaler = GradScaler(
         device.type, init_scale=2.0**10, growth_interval=4, hysteresis=2,

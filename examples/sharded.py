@@ -21,9 +21,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from _launch import init_distributed, report_step, run
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from _launch import init_distributed, report_step, run, sharded_mlp
 
 from ampscaler import GradScaler
 
@@ -46,15 +44,7 @@ def main() -> None:
     if not 0 <= args.overflow_at < args.steps:
         dist.destroy_process_group()
         parser.error(f"--overflow-at must be a step from 0 to {args.steps - 1}")
-    mesh = init_device_mesh(device.type, (world,))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
-    ).to(device)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # parameters and gradients are now DTensor shards
+    model = sharded_mlp(device)  # FSDP2: parameters and gradients are DTensor shards
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = GradScaler(
         device.type, init_scale=2.0**10, growth_interval=4, process_group=dist.group.WORLD
