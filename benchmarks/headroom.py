@@ -4,7 +4,8 @@ Two models, each trained three times from the same initial weights on the same b
 fp16 autocast on the CPU:
 
 - ``mlp``: the demo's model and task (:mod:`ampscaler.demo`: a tanh MLP imitating a teacher with
-  small targets, mean squared error, Adam, cosine learning rate), with a smaller batch;
+  small targets, mean squared error, Adam, cosine learning rate), batch 2048 as in the demo
+  (``--mlp-batch``: a smaller batch makes a shorter step and noisier gradients);
 - ``lm``: a small causal transformer language model (2 blocks, width 32, 4 heads, context 32)
   trained on tokens from a fixed random Markov chain (32 tokens), cross-entropy, AdamW.
 
@@ -395,7 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-every", type=int, default=100, help="underflow probe period")
     parser.add_argument("--chunk", type=int, default=50, help="steps per run per round")
-    parser.add_argument("--mlp-batch", type=int, default=512, help="the demo model's batch")
+    parser.add_argument(
+        "--mlp-batch", type=int, default=2048, help="the demo model's batch (2048, the demo's)"
+    )
     parser.add_argument("--models", default="mlp,lm", help="comma-separated: mlp, lm")
     parser.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu",
