@@ -580,7 +580,10 @@ class GradScaler(
 
         No host sync, except: a tensor ``new_scale`` is read, ``max_consecutive_skips`` reads
         the skip counter, and consumers of step records (sinks, history, :meth:`on`) read the
-        iteration's outcome in one sync.
+        iteration's outcome in one sync. With a :class:`~ampscaler.HeadroomPolicy` and a
+        ``process_group``, a measured iteration max-reduces its measurement over the group
+        (one all_reduce, waited for as the inf flags are: with gloo the host waits); with a
+        HeadroomPolicy ``update()`` runs eagerly under ``torch.compile`` (a graph break).
 
         Under ``torch.compile`` (with none of those three) it hands the iteration's flags to the
         live state and the next ``scale()`` applies them, so it compiles with no device work of
