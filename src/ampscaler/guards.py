@@ -346,9 +346,12 @@ class GuardSet:
             if loss is not None:
                 loss = packed[1] / ranks
         measured = StepMeasurements(optimizer, norm, loss)
-        flag = torch.zeros((), dtype=torch.bool, device=device)
-        for guard in self._guards:
-            flag = flag | guard.check(measured).to(device)
+        flags = [guard.check(measured).to(device) for guard in self._guards]
+        if not flags:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        flag = flags[0]
+        for other in flags[1:]:
+            flag = flag | other
         return flag.to(torch.float32)
 
     def end_iteration(self, skipped: torch.Tensor) -> None:

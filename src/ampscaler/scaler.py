@@ -560,8 +560,7 @@ class GradScaler(
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
-        skip = found_inf if record.spike is None else record.skip_flag(found_inf)
-        retval = step_fused(optimizer, grad_scale, skip, args, kwargs)
+        retval = step_fused(optimizer, grad_scale, record.skip_flag(found_inf), args, kwargs)
         record.stage = OptState.STEPPED
         self._outcome(optimizer, StepOutcome(found_inf, record.spike))
         self._monitor.note_step(optimizer, found_inf, state.scale, state.counters)
