@@ -179,7 +179,7 @@ class RankAgreement:
         Raises:
             InvalidConfigError: naming each differing setting and its value on every rank.
         """
-        row = {name: _plain(value) for name, value in settings.items()}
+        row = _plain_row(settings)
         table = self._gather(row)
         differing = [
             self._describe(name, settings[name], {rank: table[rank][name] for rank in table})
@@ -311,10 +311,17 @@ class RankAgreement:
         )
 
 
-def _plain(value: SettingValue) -> float | None:
-    """A setting as a Python number (``None`` stays ``None``); reads a tensor (a sync)."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().double().item())
-    return float(value)
+def _plain_row(settings: Mapping[str, SettingValue]) -> dict[str, float | None]:
+    """The settings as Python numbers (``None`` stays ``None``); the tensors among them are
+    read in one host sync."""
+    tensors = {name: v for name, v in settings.items() if isinstance(v, torch.Tensor)}
+    read: dict[str, float] = {}
+    if tensors:
+        device = next(iter(tensors.values())).device
+        values = [t.detach().to(device, torch.float64).reshape(()) for t in tensors.values()]
+        stacked = torch.stack(values)
+        read = dict(zip(tensors, stacked.tolist(), strict=True))
+    return {
+        name: read[name] if name in read else (None if value is None else float(value))
+        for name, value in settings.items()
+    }
