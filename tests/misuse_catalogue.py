@@ -118,7 +118,8 @@ CASES: tuple[Misuse, ...] = (
         _C, 'GradScaler("cpu", max_consecutive_skips=2.5)', _CFG,
         ("max_consecutive_skips", "int"), in_torch=False,
     ),
-    Misuse(_C, 'GradScaler("cpu", dynamic="no")', _CFG, ("dynamic",), in_torch=False),
+    Misuse(_C, 'GradScaler("cpu", policy="static")', _CFG, ("policy", "StaticPolicy"),
+           in_torch=False),
     Misuse(
         _C, 'GradScaler("cpu", policy=ScalePolicy(), hysteresis=2)', _CFG,
         ("policy=", "hysteresis"), in_torch=False,

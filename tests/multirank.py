@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ampscaler
+from user_policy import HalveOrDouble
 
 STEPS = 6
 TIMEOUT_S = 90.0
@@ -94,6 +95,7 @@ def train_sharded(
     optimizer: str,
     inject: Mapping[int, Iterable[int]],
     group: dist.ProcessGroup | list[dist.ProcessGroup] | None,
+    scaler_kwargs: Mapping[str, Any] = SCALER_KWARGS,
 ) -> Trace:
     """ZeRO-2 style training; ``inject[step]`` lists the ranks that overflow at ``step``."""
     torch.manual_seed(0)
@@ -101,7 +103,7 @@ def train_sharded(
     params = list(model.parameters())
     mine = [p for i, p in enumerate(params) if i % world == rank]
     opt = make_optimizer(mine, optimizer)
-    scaler = ampscaler.GradScaler("cpu", **SCALER_KWARGS, process_group=group)
+    scaler = ampscaler.GradScaler("cpu", **scaler_kwargs, process_group=group)
     scaler.watch(model)
     trace = Trace()
     for step in range(STEPS):
@@ -287,7 +289,10 @@ SCENARIOS: dict[str, Callable[[int, int], Any]] = {
         init_scale=lambda rank: 1024.0 if rank == 1 else 65536.0,
     ),
     "mismatch_hysteresis": lambda r, w: config_error(
-        r, w, hysteresis=lambda rank: 2 if rank == 3 else 1, dynamic=lambda rank: rank != 2
+        r,
+        w,
+        hysteresis=lambda rank: 2 if rank == 3 else 1,
+        policy=lambda rank: ampscaler.StaticPolicy() if rank == 2 else None,
     ),
     "sgd_four": lambda r, w: train_sharded(
         r, w, optimizer="sgd", inject={1: [0, 2], 3: [1]}, group=dist.group.WORLD
@@ -295,6 +300,17 @@ SCENARIOS: dict[str, Callable[[int, int], Any]] = {
     "spike_sgd": lambda r, w: train_with_spike(r, w, optimizer="sgd"),
     "spike_fused_adam": lambda r, w: train_with_spike(r, w, optimizer="adam"),
     "subgroups": subgroups,
+    "user_policy": lambda r, w: train_sharded(
+        r,
+        w,
+        optimizer="sgd",
+        inject={1: [1], 4: [0]},
+        group=dist.group.WORLD,
+        scaler_kwargs={"init_scale": 2.0**10, "policy": HalveOrDouble(interval=2)},
+    ),
+    "user_policy_mismatch": lambda r, w: config_error(
+        r, w, policy=lambda rank: HalveOrDouble(interval=2 + rank)
+    ),
     "outsider": outsider_error,
 }
 

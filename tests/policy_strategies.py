@@ -71,6 +71,4 @@ def policy_of(config: RefConfig) -> Policy:
     """The ampscaler policy object that ``config`` describes."""
     if not config.dynamic:
         return StaticPolicy()
-    rule = config.scaler_kwargs()
-    del rule["dynamic"]
-    return ScalePolicy(**rule)  # type: ignore[arg-type]
+    return ScalePolicy(**config.scaler_kwargs())  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ kernel does, and the bounds are compared after rounding them to float32 like the
 
     if not dynamic: nothing moves
     overflow:  tracker = 0; budget = max(budget - 1, 0)
-               if budget == 0: scale = max(f32(scale * backoff), f32(min_scale))
+               if budget == 0: scale = max(f32(scale * backoff), f32(min_scale), 2**-126)
     clean:     tracker += 1
                if tracker == interval:
                    tracker = 0; budget = hysteresis
@@ -34,6 +34,10 @@ import math
 import struct
 from dataclasses import dataclass, field
 
+#: The scale never backs off below float32's smallest normal number, where ``1/scale`` stops
+#: being exact (issue 27: torch's would, and then unscaled finite gradients into inf/NaN).
+LOWEST_SCALE = 2.0**-126
+
 
 def f32(value: float) -> float:
     """``value`` rounded to the nearest float32 (overflowing to a signed infinity)."""
@@ -57,6 +61,10 @@ class RefConfig:
 
     def scaler_kwargs(self) -> dict[str, object]:
         """Keyword arguments that build an ``ampscaler.GradScaler`` with this policy."""
+        if not self.dynamic:
+            from ampscaler import StaticPolicy
+
+            return {"policy": StaticPolicy()}
         return {
             "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor,
@@ -64,7 +72,6 @@ class RefConfig:
             "hysteresis": self.hysteresis,
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
-            "dynamic": self.dynamic,
         }
 
 
@@ -96,9 +103,8 @@ class Reference:
             self.budget = max(self.budget - 1, 0)
             if self.budget == 0:
                 shrunk = f32(self.scale * cfg.backoff_factor)
-                if cfg.min_scale is not None:
-                    shrunk = max(shrunk, f32(cfg.min_scale))
-                self.scale = shrunk
+                low = LOWEST_SCALE if cfg.min_scale is None else f32(cfg.min_scale)
+                self.scale = max(shrunk, low, LOWEST_SCALE)
             return
         self.tracker += 1
         if self.tracker == cfg.growth_interval:
@@ -128,6 +134,6 @@ class Reference:
     def bounds(self) -> tuple[float, float]:
         """The range the scale must stay in: the bounds rounded to float32."""
         cfg = self.config
-        low = 0.0 if cfg.min_scale is None else f32(cfg.min_scale)
+        low = LOWEST_SCALE if cfg.min_scale is None else max(f32(cfg.min_scale), LOWEST_SCALE)
         high = math.inf if cfg.max_scale is None else f32(cfg.max_scale)
         return low, high

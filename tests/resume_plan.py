@@ -54,7 +54,7 @@ CASES = (
     Case("hysteresis", {"hysteresis": 3}),
     Case("min-scale", {"min_scale": 2.0**10}),
     Case("max-scale", {"max_scale": 2.0**11, "backoff_factor": 0.9}),
-    Case("static", {"dynamic": False}),
+    Case("static", {"policy": ampscaler.StaticPolicy()}),
     Case("max-consecutive-skips", {"max_consecutive_skips": 2}),
     Case("every-option", _ALL),
     Case("fused-adam", {}, fused=True),
@@ -88,7 +88,9 @@ def build(case: Case, scaler_kwargs: dict[str, Any] | None = None) -> Run:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=case.fused)
-    kwargs = {**_BASE, **case.scaler_kwargs} if scaler_kwargs is None else scaler_kwargs
+    # A policy object takes no rule arguments beside it: only the base's scale then.
+    base = {"init_scale": _BASE["init_scale"]} if "policy" in case.scaler_kwargs else _BASE
+    kwargs = {**base, **case.scaler_kwargs} if scaler_kwargs is None else scaler_kwargs
     return Run(case, model, optimizer, ampscaler.GradScaler("cpu", **kwargs))
 
 

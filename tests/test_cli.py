@@ -14,6 +14,7 @@ from matplotlib.image import imread
 from ampscaler import GradScaler, JsonlSink, read_log
 from ampscaler.cli import main
 from training_loop import Net, run_loop
+from twins import observed
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -24,7 +25,7 @@ def training_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("run") / "steps.jsonl"
     torch.manual_seed(0)
     model = Net()
-    scaler = GradScaler("cpu", init_scale=2.0**14, growth_interval=4, probe_every=5)
+    scaler = observed(GradScaler("cpu", init_scale=2.0**14, growth_interval=4), probe_every=5)
     scaler.watch(model)
     poison = {i: {"head.weight": float("inf")} for i in (6, 7, 17)}
     with scaler.add_sink(JsonlSink(path)):

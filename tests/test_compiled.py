@@ -25,6 +25,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import ampscaler
+from twins import observed
 
 STEPS = 16
 POISONED = {5, 12}  # steps whose loss is multiplied by inf
@@ -218,7 +219,8 @@ def test_sinks_and_diagnostics_still_work_in_a_compiled_step() -> None:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
         opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
-        scaler = ampscaler.GradScaler("cpu", init_scale=8.0, growth_interval=2, history_size=20)
+        scaler = ampscaler.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+        observed(scaler, history=20)
         scaler.watch(model)
 
         def step(poison: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from ampscaler.observe import localize
 from ampscaler.observe.localize import LOSS_ORIGIN, NonFiniteTracer
 from ampscaler.observe.probe import UnderflowCounts
 from training_loop import Net, run_loop
+from twins import observed
 
 INF, NAN = float("inf"), float("nan")
 
@@ -130,9 +131,7 @@ def test_clean_steps_run_no_localization(localizations: list[str]) -> None:
     model = Net()
     plain = torch.optim.SGD(model.body.parameters(), lr=1e-3)
     fused = torch.optim.Adam(model.head.parameters(), lr=1e-3, fused=True)
-    scaler = GradScaler(
-        "cpu", init_scale=256.0, history_size=8, probe_every=2, trace_nonfinite=True
-    )
+    scaler = observed(GradScaler("cpu", init_scale=256.0), history=8, probe_every=2, trace=True)
     scaler.watch(model)
     scaler.add_sink(ampscaler.LoggingSink("test.clean"))
     scaler.on("step", lambda record: None)
@@ -220,7 +219,7 @@ def _blowup_model() -> torch.nn.Sequential:
 def test_tracer_finds_the_module_whose_backward_overflowed(loss_factor: float) -> None:
     model = _blowup_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=1024.0, trace_nonfinite=True)
+    scaler = observed(GradScaler("cpu", init_scale=1024.0), trace=True)
     scaler.watch(model)
     with torch.autocast("cpu", dtype=torch.float16):
         out = model(torch.ones(2, 4))
@@ -239,7 +238,7 @@ def test_tracer_finds_the_module_whose_backward_overflowed(loss_factor: float) -
 def test_tracer_blames_no_module_for_values_written_after_backward() -> None:
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", trace_nonfinite=True)
+    scaler = observed(GradScaler("cpu"), trace=True)
     scaler.watch(model)
     run_loop(scaler, model, optimizer, steps=1, poison={0: {"head.weight": INF}})
     report = scaler.last_overflow
@@ -252,7 +251,7 @@ def _hooked_modules(model: torch.nn.Module) -> list[str]:
 
 def test_without_probe_or_tracer_nothing_is_hooked() -> None:
     model = Net()
-    scaler = GradScaler("cpu", history_size=4)
+    scaler = observed(GradScaler("cpu"), history=4)
     scaler.watch(model)
     run_loop(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
     assert _hooked_modules(model) == []
@@ -261,7 +260,7 @@ def test_without_probe_or_tracer_nothing_is_hooked() -> None:
 
 def test_probe_hooks_exist_only_during_probed_iterations() -> None:
     model = Net()
-    scaler = GradScaler("cpu", history_size=10, probe_every=3)
+    scaler = observed(GradScaler("cpu"), history=10, probe_every=3)
     scaler.watch(model)
     hooked: dict[int, list[str]] = {}
     run_loop(
@@ -280,7 +279,7 @@ def test_probe_hooks_exist_only_during_probed_iterations() -> None:
 def test_probe_measures_underflow_and_headroom(fused: bool) -> None:
     model = torch.nn.Linear(4, 1, bias=False)
     optimizer = _optimizer(model, fused)
-    scaler = GradScaler("cpu", init_scale=1024.0, history_size=1, probe_every=1)
+    scaler = observed(GradScaler("cpu", init_scale=1024.0), history=1, probe_every=1)
     scaler.scale(model(torch.ones(1, 4)).sum()).backward()
     # At scale 1024: 1e-9 flushes to zero in fp16 (<= 2**-25); divided by 1024, 1e-5 does too.
     model.weight.grad = torch.tensor([[0.0, 1e-9, 1e-5, 1.0]])
@@ -297,7 +296,7 @@ def test_probe_measures_underflow_and_headroom(fused: bool) -> None:
 def test_probe_reports_the_share_of_zero_and_subnormal_fp16_gradients_per_module() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=1.0, history_size=1, probe_every=1)
+    scaler = observed(GradScaler("cpu", init_scale=1.0), history=1, probe_every=1)
     scaler.watch(model)
     with torch.autocast("cpu", dtype=torch.float16):
         out = model(torch.ones(1, 4))
@@ -314,7 +313,7 @@ def test_probe_reports_the_share_of_zero_and_subnormal_fp16_gradients_per_module
 
 def test_probe_headroom_is_negative_infinity_on_overflow_and_results_round_trip() -> None:
     model = torch.nn.Linear(2, 1)
-    scaler = GradScaler("cpu", history_size=1, probe_every=1)
+    scaler = observed(GradScaler("cpu"), history=1, probe_every=1)
     scaler.scale(model(torch.ones(1, 2)).sum() * INF).backward()
     scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler.update()
@@ -370,7 +369,7 @@ def test_a_disabled_scaler_takes_a_probe_and_tracer_but_hooks_nothing() -> None:
 
 def test_a_probe_attached_after_watch_taps_the_watched_models() -> None:
     model = Net()
-    scaler = GradScaler("cpu", history_size=3)
+    scaler = observed(GradScaler("cpu"), history=3)
     scaler.watch(model)
     scaler.attach(ampscaler.GradientProbe(every=2))
     assert _hooked_modules(model) == ["body.0", "body.1", "body.2", "head"]

@@ -1,10 +1,11 @@
-"""The fused-optimizer path: unscaling in the check pass when the scale is a power of two.
+"""The fused-optimizer path: torch's route by default, and the opt-in one-pass route.
 
-When the scale is known to be ``2**e`` (``e >= -126``), ampscaler multiplies the gradients by
-``1/scale`` in the check pass and hands the optimizer ``grad_scale=None``; torch's scaler checks
-(multiplying by 1) and lets the kernel divide by ``grad_scale``. Both must give the same
-parameters, optimizer state and (after clean steps) gradients, bit for bit. Every test here
-also asserts which route was taken, so a silently disabled fast path fails too.
+By default ampscaler checks a fused optimizer's gradients as torch does (multiplying by 1) and
+lets the kernel divide by ``grad_scale``. With ``one_pass_fused=True``, when the scale is known
+to be ``2**e`` (``e >= -126``), it multiplies the gradients by ``1/scale`` in the check pass and
+hands the optimizer ``grad_scale=None``. Both must give torch's parameters, optimizer state and
+(after clean steps) gradients, bit for bit. Every test here also asserts which route was taken,
+so a silently disabled fast path fails too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ FUSED = {
 }
 
 Routes = list[str]
+
+
+def _one_pass(*args: Any, **kwargs: Any) -> ampscaler.GradScaler:
+    """A scaler with the opt-in one-pass route."""
+    return ampscaler.GradScaler(*args, one_pass_fused=True, **kwargs)
 
 
 def _record_routes(optimizer: torch.optim.Optimizer, routes: Routes) -> None:
@@ -90,7 +96,7 @@ def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 @pytest.mark.parametrize("name", sorted(FUSED))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_unscaling_in_the_check_matches_torch(name: str, dtype: torch.dtype) -> None:
-    ours, routes = _train(ampscaler.GradScaler, FUSED[name], dtype=dtype)
+    ours, routes = _train(_one_pass, FUSED[name], dtype=dtype)
     theirs, torch_routes = _train(torch.amp.GradScaler, FUSED[name], dtype=dtype)
     _assert_same(ours, theirs)
     assert routes == ["check"] * 12
@@ -107,7 +113,7 @@ def test_unscaling_in_the_check_matches_torch(name: str, dtype: torch.dtype) -> 
     ],
 )
 def test_other_scales_take_torchs_route(why: str, kwargs: dict[str, Any]) -> None:
-    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], scaler_kwargs=kwargs)
+    ours, routes = _train(_one_pass, FUSED["adam"], scaler_kwargs=kwargs)
     assert routes == ["kernel"] * 12, why
     if "max_scale" not in kwargs:  # an option torch's scaler does not have
         theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], scaler_kwargs=kwargs)
@@ -116,7 +122,7 @@ def test_other_scales_take_torchs_route(why: str, kwargs: dict[str, Any]) -> Non
 
 def test_power_of_two_bounds_keep_the_fast_route() -> None:
     kwargs = {"init_scale": 2.0**10, "min_scale": 2.0**8, "max_scale": 2.0**12}
-    _, routes = _train(ampscaler.GradScaler, FUSED["adam"], scaler_kwargs=kwargs)
+    _, routes = _train(_one_pass, FUSED["adam"], scaler_kwargs=kwargs)
     assert routes == ["check"] * 12
 
 
@@ -129,7 +135,7 @@ def test_the_route_follows_scales_set_by_hand() -> None:
         if step == 9:
             scaler.set_growth_factor(3.0)  # could leave powers of two: torch's route
 
-    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], between=set_scale)
+    ours, routes = _train(_one_pass, FUSED["adam"], between=set_scale)
     theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], between=set_scale)
     _assert_same(ours, theirs)
     assert routes == ["check"] * 4 + ["kernel"] * 4 + ["check"] * 2 + ["kernel"] * 2
@@ -142,14 +148,14 @@ def test_a_loaded_checkpoint_sets_the_route() -> None:
             state["scale"] = 3000.0 if step == 2 else 4096.0
             scaler.load_state_dict(state)
 
-    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], between=reload)
+    ours, routes = _train(_one_pass, FUSED["adam"], between=reload)
     theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], between=reload)
     _assert_same(ours, theirs)
     assert routes == ["check"] * 3 + ["kernel"] * 4 + ["check"] * 5
 
 
 def test_float16_gradients_are_left_to_the_kernel() -> None:
-    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"], dtype=torch.float16)
+    ours, routes = _train(_one_pass, FUSED["adam"], dtype=torch.float16)
     theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], dtype=torch.float16)
     _assert_same(ours, theirs)
     assert routes == ["kernel"] * 12
@@ -159,7 +165,7 @@ def test_optimizers_other_than_torchs_own_are_left_to_the_kernel() -> None:
     class MyAdam(torch.optim.Adam):
         pass
 
-    ours, routes = _train(ampscaler.GradScaler, lambda ps: MyAdam(ps, lr=1e-2, fused=True))
+    ours, routes = _train(_one_pass, lambda ps: MyAdam(ps, lr=1e-2, fused=True))
     theirs, _ = _train(torch.amp.GradScaler, lambda ps: MyAdam(ps, lr=1e-2, fused=True))
     _assert_same(ours, theirs)
     assert routes == ["kernel"] * 12
@@ -171,7 +177,7 @@ def test_a_grad_scale_set_on_the_optimizer_is_multiplied_in_as_torch_does() -> N
         opt.grad_scale = torch.tensor(4.0)  # type: ignore[attr-defined]
         return opt
 
-    ours, routes = _train(ampscaler.GradScaler, make, steps=4)
+    ours, routes = _train(_one_pass, make, steps=4)
     theirs, _ = _train(torch.amp.GradScaler, make, steps=4)
     _assert_same(ours, theirs)
     # Both scalers delete the attribute after the first step.
@@ -187,7 +193,7 @@ def test_master_weights_around_a_fused_optimizer_take_the_fast_route() -> None:
     model = torch.nn.Linear(4, 2).half()
     opt = make(list(model.parameters()))
     _record_routes(opt.inner, routes)
-    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**8)
+    scaler = _one_pass("cpu", init_scale=2.0**8)
     for _ in range(3):
         scaler.scale(model(torch.ones(2, 4, dtype=torch.float16)).float().sum()).backward()
         scaler.step(opt)
@@ -196,19 +202,37 @@ def test_master_weights_around_a_fused_optimizer_take_the_fast_route() -> None:
     assert routes == ["check"] * 3
 
 
-def test_skipped_steps_leave_the_gradients_unscaled() -> None:
-    """The one visible difference: on a skipped step torch's fused route leaves the gradients
-    scaled (its kernel returns before dividing); ampscaler's are unscaled, as on the plain
-    route of both."""
+def _skipped_fused_step(scaler: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One skipped step of fused Adam: the weight's gradient before and after it."""
+    torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
-    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**6)
     scaler.scale(model(torch.ones(1, 3)).sum()).backward()
     model.bias.grad.fill_(float("nan"))
     scaled = model.weight.grad.clone()
     scaler.step(opt)
-    assert torch.equal(model.weight.grad, scaled / 2.0**6)
+    assert scaler.get_scale() == 2.0**6
+    return scaled, model.weight.grad
+
+
+def test_skipped_steps_leave_the_gradients_unscaled_on_the_one_pass_route() -> None:
+    """The one visible difference of the opt-in route: on a skipped step torch's fused route
+    leaves the gradients scaled (its kernel returns before dividing); the one-pass route's are
+    unscaled, as on the plain route of both."""
+    scaler = _one_pass("cpu", init_scale=2.0**6)
+    scaled, after = _skipped_fused_step(scaler)
+    assert torch.equal(after, scaled / 2.0**6)
     assert scaler.last_step_skipped
+
+
+def test_by_default_the_kernel_unscales_and_skipped_steps_leave_torchs_gradients() -> None:
+    ours, routes = _train(ampscaler.GradScaler, FUSED["adam"])
+    theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"])
+    _assert_same(ours, theirs)
+    assert routes == ["kernel"] * 12
+    scaled, after = _skipped_fused_step(ampscaler.GradScaler("cpu", init_scale=2.0**6))
+    _, torch_after = _skipped_fused_step(torch.amp.GradScaler("cpu", init_scale=2.0**6))
+    assert torch.equal(after, scaled) and torch.equal(after, torch_after)
 
 
 def test_the_route_survives_long_runs_without_reading_the_scale() -> None:
@@ -221,26 +245,25 @@ def test_the_route_survives_long_runs_without_reading_the_scale() -> None:
 
     kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
     _, routes = _train(
-        ampscaler.GradScaler, FUSED["sgd"], steps=steps, overflow_at=overflow_at,
+        _one_pass, FUSED["sgd"], steps=steps, overflow_at=overflow_at,
         scaler_kwargs=kwargs, read_scale=False,
     )
     assert routes == ["check"] * steps
 
 
-def test_a_scale_below_two_to_the_minus_126_takes_torchs_route() -> None:
-    """Backing off 150 times in a row takes the scale to 2**-134, whose reciprocal float32
-    cannot hold; torch's route is taken there, and the results still match torch's."""
+def test_a_scale_backed_off_150_times_stops_at_two_to_the_minus_126_on_the_fast_route() -> None:
+    """Backing off 150 times in a row would take the scale to 2**-134, whose reciprocal float32
+    cannot hold (torch's scaler goes there); ampscaler's stops at 2**-126, where unscaling is
+    still exact, so the one-pass route stays open and matches the default route's results."""
     kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
     overflow_at = tuple(range(150))
     ours, routes = _train(
+        _one_pass, FUSED["adam"], steps=162, overflow_at=overflow_at,
+        scaler_kwargs=kwargs, read_scale=False,
+    )
+    default, default_routes = _train(
         ampscaler.GradScaler, FUSED["adam"], steps=162, overflow_at=overflow_at,
         scaler_kwargs=kwargs, read_scale=False,
     )
-    theirs, _ = _train(
-        torch.amp.GradScaler, FUSED["adam"], steps=162, overflow_at=overflow_at,
-        scaler_kwargs=kwargs, read_scale=False,
-    )
-    _assert_same(ours, theirs)
-    # Step k sees 2**(16 - k) for k < 150, then the clean steps grow it back by 2 each:
-    # 2**-134 at step 150, 2**-126 at step 158.
-    assert routes == ["check"] * 143 + ["kernel"] * 15 + ["check"] * 4
+    _assert_same(ours, default)
+    assert routes == ["check"] * 162 and default_routes == ["kernel"] * 162

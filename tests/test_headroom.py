@@ -26,10 +26,11 @@ from torch._dynamo.utils import counters
 
 import ampscaler
 from ampscaler import GradScaler, HeadroomPolicy, ScalePolicy
-from ampscaler.headroom import NOT_MEASURED, HeadroomMeter
-from ampscaler.policy import HeadroomState, initial_state
+from ampscaler.policy import HeadroomState
+from ampscaler.policy.meter import NOT_MEASURED, HeadroomMeter
 from headroom_reference import FP16_MAX, HeadroomRef
 from reference import f32
+from twins import observed
 
 CPU = torch.device("cpu")
 
@@ -92,8 +93,8 @@ def test_adjust_and_update_match_the_reference(
     config: dict[str, object], events: list[tuple[bool, float | None]]
 ) -> None:
     policy = HeadroomPolicy(**config)  # type: ignore[arg-type]
-    state = initial_state(policy, policy.first_scale, CPU)
-    live = initial_state(policy, policy.first_scale, CPU)
+    state = policy.initial_state(policy.first_scale, CPU)
+    live = policy.initial_state(policy.first_scale, CPU)
     assert isinstance(state, HeadroomState) and isinstance(live, HeadroomState)
     identities = [id(t) for t in live]
     ref = _ref_of(config)
@@ -115,7 +116,7 @@ def test_adjust_and_update_match_the_reference(
 
 def test_a_scripted_sequence_of_measurements_gives_the_expected_scales() -> None:
     policy = HeadroomPolicy(margin=2.0, history_length=2, recovery_interval=3)
-    state = initial_state(policy, 1.0, CPU)
+    state = policy.initial_state(1.0, CPU)
     clean, overflow = torch.tensor(0.0), torch.tensor(1.0)
     scales = []
     # (found_inf, the largest gradient measured at the scale in force, None: not measured)
@@ -142,7 +143,7 @@ def test_a_scripted_sequence_of_measurements_gives_the_expected_scales() -> None
 
 def test_the_first_measurement_sets_the_scale_and_unmeasured_iterations_keep_it() -> None:
     policy = HeadroomPolicy(margin=1.0)
-    state = initial_state(policy, 1.0, CPU)
+    state = policy.initial_state(1.0, CPU)
     state = policy.adjust(state, torch.tensor(0.0))  # nothing measured yet: first_scale
     assert float(state.scale) == 1.0
     state = policy.adjust(state, torch.tensor(0.0), torch.tensor(65504.0 / 2**10))
@@ -155,7 +156,7 @@ def test_bounds_hold_and_a_non_float32_flag_takes_the_general_path() -> None:
     policy = HeadroomPolicy(
         min_scale=2.0**-2, max_scale=2.0**8, first_scale=2.0**4, recovery_interval=3
     )
-    state = initial_state(policy, 2.0**4, CPU)
+    state = policy.initial_state(2.0**4, CPU)
     state = policy.adjust(state, torch.tensor(0.0), torch.tensor(1e-9))  # wants ~2**44
     assert float(state.scale) == 2.0**8
     for _ in range(20):
@@ -195,7 +196,7 @@ def test_bad_configurations_are_refused_naming_the_argument(
 
 def test_adjust_refuses_another_policys_state() -> None:
     with pytest.raises(TypeError, match="HeadroomState"):
-        HeadroomPolicy().adjust(initial_state(ScalePolicy(), 1.0, CPU), torch.tensor(0.0))
+        HeadroomPolicy().adjust(ScalePolicy().initial_state(1.0, CPU), torch.tensor(0.0))
 
 
 # ---------------------------------------------------------------------------- in a scaler
@@ -325,7 +326,7 @@ def test_measuring_runs_every_iteration_while_young_then_every_sample_every() ->
 
 
 def test_the_fused_one_pass_route_stays_open() -> None:
-    scaler, model, opt = _rig(fused=True)
+    scaler, model, opt = _rig(fused=True, one_pass_fused=True)
     handed: list[object] = []
     step = opt.step
 
@@ -336,7 +337,7 @@ def test_the_fused_one_pass_route_stays_open() -> None:
     opt.step = spy  # type: ignore[method-assign]
     _train(scaler, model, opt, range(24), poison=frozenset({20}))
     assert handed[-1] is None  # the check pass unscaled: the kernel divides nothing
-    assert scaler._route is not None and scaler._route._watch.exact
+    assert scaler._state.exact_reciprocal
 
 
 def test_update_with_a_new_scale_holds_it_until_the_next_measurement() -> None:
@@ -501,14 +502,15 @@ def test_a_compiled_step_scales_as_the_eager_one_and_never_recompiles() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"policy": HeadroomPolicy()}, {"probe_every": 10}, {"trace_nonfinite": True}],
+    [{"policy": HeadroomPolicy()}, {"probe_every": 10}, {"trace": True}],
     ids=["headroom", "probe", "tracer"],
 )
 def test_a_watched_model_still_deep_copies_and_saves_and_its_copy_is_not_tapped(
     kwargs: dict[str, object],
 ) -> None:
     model = Net()
-    scaler = GradScaler("cpu", **kwargs)  # type: ignore[arg-type]
+    policy = kwargs.pop("policy", None)
+    scaler = observed(GradScaler("cpu", policy=policy), **kwargs)  # type: ignore[arg-type]
     scaler.watch(model)  # the hooks are on from the first iteration
     twin = copy.deepcopy(model)  # what an EMA or SWA wrapper does
     torch.save(model, io.BytesIO())

@@ -16,7 +16,7 @@ from ampscaler import ScalePolicy
 
 
 def _live(scaler: ampscaler.GradScaler) -> tuple[torch.Tensor, ...]:
-    state = scaler._state
+    state = scaler._state.live
     assert isinstance(state, ampscaler.state.LiveState)
     return (*state.tensors, state.counters._values)
 
@@ -70,7 +70,7 @@ def test_counters_are_read_by_name() -> None:
     scaler = ampscaler.GradScaler("cpu", init_scale=4.0)
     for poison in [False, True, True]:
         _step(scaler, model, poison)
-    state = scaler._state
+    state = scaler._state.live
     assert isinstance(state, ampscaler.state.LiveState)
     assert int(state.counters.steps) == 3
     assert int(state.counters.consecutive_skips) == 2

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from ampscaler.policy import ScalePolicy, initial_state
+from ampscaler.policy import ScalePolicy
 
 
 def deepspeed_scales(
@@ -58,7 +58,7 @@ def ampscaler_scales(
     overflows: list[bool], init: float, window: int, hysteresis: int, min_scale: float
 ) -> Iterator[float]:
     policy = ScalePolicy(growth_interval=window, hysteresis=hysteresis, min_scale=min_scale)
-    state = initial_state(policy, init, torch.device("cpu"))
+    state = policy.initial_state(init, torch.device("cpu"))
     for overflow in overflows:
         state = policy.adjust(state, torch.tensor(float(overflow)))
         yield state.scale.item()

@@ -106,7 +106,7 @@ def test_message_for_inf_and_nan_together_and_unwatched_names() -> None:
 
 
 def test_static_scale_still_raises() -> None:
-    net, optimizer, scaler = _setup(dynamic=False, max_consecutive_skips=2)
+    net, optimizer, scaler = _setup(policy=ampscaler.StaticPolicy(), max_consecutive_skips=2)
     _iterate(net, optimizer, scaler, {"head.bias": NAN})
     with pytest.raises(ampscaler.PersistentOverflowError, match="the scale is now 256"):
         _iterate(net, optimizer, scaler, {"head.bias": NAN})

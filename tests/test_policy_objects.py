@@ -44,7 +44,6 @@ def test_static_policy_never_moves_but_skips() -> None:
         assert scaler.get_scale() == 512.0
     assert scaler.stats.skipped == 2
     assert scaler.state_dict()["dynamic"] is False
-    assert ampscaler.GradScaler("cpu", dynamic=False).policy == StaticPolicy()
 
 
 def test_a_static_checkpoint_loads_as_a_static_policy_and_back() -> None:
@@ -71,20 +70,12 @@ def test_policy_with_its_shorthands_is_refused() -> None:
     with pytest.raises(ValueError, match="either policy= or"):
         ampscaler.GradScaler("cpu", 2.0**16, 4.0, policy=ScalePolicy())
     with pytest.raises(ValueError, match="either policy= or"):
-        ampscaler.GradScaler("cpu", policy=StaticPolicy(), dynamic=False)
+        ampscaler.GradScaler("cpu", policy=StaticPolicy(), min_scale=1.0)
 
 
 def test_a_policy_that_is_not_one_is_refused() -> None:
     with pytest.raises(ValueError, match="ScalePolicy or ampscaler.StaticPolicy"):
         ampscaler.GradScaler("cpu", policy={"hysteresis": 2})  # type: ignore[arg-type]
-
-
-def test_static_shorthand_with_dynamic_arguments_warns_that_they_are_unused() -> None:
-    with pytest.warns(UserWarning, match="growth_interval, hysteresis will not be used"):
-        scaler = ampscaler.GradScaler("cpu", dynamic=False, growth_interval=5, hysteresis=2)
-    assert scaler.policy == StaticPolicy()
-    with pytest.raises(ValueError, match="growth_factor"):
-        ampscaler.GradScaler("cpu", dynamic=False, growth_factor=0.5)  # still validated
 
 
 def test_torch_setters_change_the_dynamic_policy_and_refuse_a_static_one() -> None:

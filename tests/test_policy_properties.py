@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampscaler
-from ampscaler.policy import initial_state
 from policy_strategies import Setup, policy_of, setups
 from reference import Reference
 
@@ -33,7 +32,7 @@ PATTERNS = st.lists(POISON, min_size=1, max_size=30)
 @given(setup=setups(skip_limits=False), pattern=st.lists(st.booleans(), max_size=60))
 def test_adjust_matches_reference(setup: Setup, pattern: list[bool]) -> None:
     policy = policy_of(setup.config)
-    state = initial_state(policy, setup.init_scale, torch.device("cpu"))
+    state = policy.initial_state(setup.init_scale, torch.device("cpu"))
     ref = Reference(setup.config, setup.init_scale)
     for overflow in pattern:
         before = state

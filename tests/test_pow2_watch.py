@@ -12,12 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ampscaler.grads.pow2 import RENEW_BELOW, Pow2Watch, pow2_exponent
-from ampscaler.policy import Policy, ScalePolicy, StaticPolicy, float32_value, initial_state
+from ampscaler.policy import Policy, ScalePolicy, StaticPolicy, float32_value
 
 CPU = torch.device("cpu")
 POW2_GROWTH = st.sampled_from([2.0, 4.0, 2.0**10])
 POW2_BACKOFF = st.sampled_from([0.5, 0.25, 2.0**-30])
 EXPONENTS = st.integers(-149, 127)
+
+
+def _watch(policy: Policy, device: torch.device) -> Pow2Watch:
+    """A watch for ``policy``'s scale on ``device``, as the scaler's state makes one."""
+    watch = Pow2Watch(policy.power_of_two)
+    watch.use_device(device)
+    return watch
 
 
 @st.composite
@@ -47,8 +54,8 @@ def test_exact_iff_the_scale_is_an_exactly_invertible_power_of_two(
     setup: tuple[Policy, float], flags: list[bool]
 ) -> None:
     policy, start = setup
-    state = initial_state(policy, start, CPU)
-    watch = Pow2Watch(policy, CPU)
+    state = policy.initial_state(start, CPU)
+    watch = _watch(policy, CPU)
     watch.saw(start)
     assert watch.exact == _truly_exact(state.scale)
     for overflow in flags:
@@ -75,8 +82,8 @@ def test_never_exact_when_the_scale_is_not_a_power_of_two(
     drawn, start = setup
     rule = drawn if isinstance(drawn, ScalePolicy) else ScalePolicy()
     policy = ScalePolicy(growth_factor=rule.growth_factor, backoff_factor=rule.backoff_factor)
-    state = initial_state(policy, start, CPU)
-    watch = Pow2Watch(policy, CPU)
+    state = policy.initial_state(start, CPU)
+    watch = _watch(policy, CPU)
     watch.saw(start)
     for event in events:
         if isinstance(event, bool):
@@ -84,10 +91,10 @@ def test_never_exact_when_the_scale_is_not_a_power_of_two(
             watch.updated(state.scale)
         elif event in (3.0, 2.0):
             policy = ScalePolicy(growth_factor=event, backoff_factor=policy.backoff_factor)
-            watch.set_policy(policy)
+            watch.set_policy(policy.power_of_two)
         elif event in (0.3, 0.5):
             policy = ScalePolicy(growth_factor=policy.growth_factor, backoff_factor=event)
-            watch.set_policy(policy)
+            watch.set_policy(policy.power_of_two)
         else:
             assert isinstance(event, float)
             state = state._replace(scale=torch.tensor(event, dtype=torch.float32))
@@ -108,9 +115,9 @@ def test_renewals_read_the_scale_only_when_the_bound_runs_low() -> None:
             return super().tolist()
 
     policy = ScalePolicy(growth_interval=1)
-    watch = Pow2Watch(policy, CPU)
+    watch = _watch(policy, CPU)
     watch.saw(2.0**16)
-    state = initial_state(policy, 2.0**16, CPU)
+    state = policy.initial_state(2.0**16, CPU)
     for update in range(1, 200):
         state = policy.adjust(state, torch.tensor(float(update % 2)))
         watch.updated(state.scale.as_subclass(CountingScale))
@@ -133,24 +140,26 @@ def test_renewals_read_the_scale_only_when_the_bound_runs_low() -> None:
     ],
 )
 def test_which_policies_keep_powers_of_two(policy: Policy, drop: int | None) -> None:
-    watch = Pow2Watch(policy, CPU)
+    watch = _watch(policy, CPU)
     watch.saw(1024.0)
     assert watch.exact == (drop is not None)
+    rule = policy.power_of_two
+    assert (None if rule is None else rule.drop) == drop
 
 
 def test_devices_without_a_way_to_renew_are_never_exact() -> None:
-    watch = Pow2Watch(ScalePolicy(), torch.device("meta"))
+    watch = _watch(ScalePolicy(), torch.device("meta"))
     watch.saw(1024.0)
     assert not watch.exact
 
 
 def test_a_changed_backoff_applies_only_to_later_updates() -> None:
-    watch = Pow2Watch(ScalePolicy(backoff_factor=2.0**-30), CPU)
+    watch = _watch(ScalePolicy(backoff_factor=2.0**-30), CPU)
     watch.saw(2.0**120)
     scale = torch.tensor(2.0**100)
     for _ in range(4):  # bound: 120 - 4 * 30 = 0
         watch.updated(scale)
-    watch.set_policy(ScalePolicy(backoff_factor=0.5))
+    watch.set_policy(ScalePolicy(backoff_factor=0.5).power_of_two)
     for _ in range(60):  # 0 - 60 = -60, still above the renewal bound: nothing read
         watch.updated(scale)
     assert watch.exact
@@ -161,8 +170,8 @@ def test_a_forgotten_watch_renews_from_a_copy_of_the_scale_on_the_cpu() -> None:
     """An update under torch.compile makes the watch forget; the next eager question reads a
     copy of the scale (free on the CPU) instead of answering from the stale bound."""
     policy = ScalePolicy()
-    state = initial_state(policy, 2.0**10, CPU)
-    watch = Pow2Watch(policy, CPU)
+    state = policy.initial_state(2.0**10, CPU)
+    watch = _watch(policy, CPU)
     watch.saw(2.0**10)
     state.scale.fill_(3.0)  # moved behind the watch's back
     watch.forget(state.scale)

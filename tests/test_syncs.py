@@ -146,7 +146,7 @@ def test_long_fused_runs_read_the_scale_only_every_eighty_or_so_updates(
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     opt.step = counter.not_counting(opt.step)  # type: ignore[method-assign]
-    scaler = ampscaler.GradScaler("cpu", growth_interval=1)
+    scaler = ampscaler.GradScaler("cpu", growth_interval=1, one_pass_fused=True)
     steps = 400
 
     def reads_in_a_run() -> int:

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ampscaler
 from ampscaler import GradScaler, InvalidConfigError, JsonlSink, SinkError, StepRecord
 from training_loop import Net, run_loop
-from twins import assert_same_trace, make_script, run_twin
+from twins import assert_same_trace, make_script, observed, run_twin
 
 INF, NAN = float("inf"), float("nan")
 POISON = {2: {"head.weight": INF}, 3: {"body.0.bias": NAN}, 7: {"body.2.weight": INF}}
@@ -35,7 +35,7 @@ def _train(scaler: Any, steps: int = 10, poison: dict[int, dict[str, float]] | N
 
 
 def test_history_is_bounded_and_agrees_with_torch_side_by_side() -> None:
-    ours = GradScaler("cpu", init_scale=1024.0, growth_interval=2, history_size=6)
+    ours = observed(GradScaler("cpu", init_scale=1024.0, growth_interval=2), history=6)
     theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
     scales = [1024.0]
     _train(theirs, after_update=lambda i: scales.append(theirs.get_scale()))
@@ -113,7 +113,7 @@ def test_update_reads_nothing_from_the_device_unless_records_are_consumed(
 
 
 def test_jsonl_log_holds_exactly_the_history(tmp_path: Path) -> None:
-    scaler = GradScaler("cpu", growth_interval=3, history_size=100, probe_every=4)
+    scaler = observed(GradScaler("cpu", growth_interval=3), history=100, probe_every=4)
     path = tmp_path / "logs" / "steps.jsonl"
     with scaler.add_sink(JsonlSink(path)):
         _train(scaler)
@@ -134,7 +134,7 @@ def test_jsonl_sink_reports_an_unwritable_path_before_training(tmp_path: Path) -
 
 
 def test_tensorboard_event_file_holds_the_scale_series(tmp_path: Path) -> None:
-    scaler = GradScaler("cpu", growth_interval=2, history_size=100, probe_every=5)
+    scaler = observed(GradScaler("cpu", growth_interval=2), history=100, probe_every=5)
     sink = scaler.add_sink(ampscaler.TensorBoardSink(tmp_path / "tb"))
     _train(scaler)
     sink.close()
@@ -167,18 +167,18 @@ def test_logging_sink_warns_on_skips_and_informs_on_scale_changes(
 
 @pytest.mark.parametrize("seed", [4, 6])  # fused Adam / plain SGD, both with overflows
 def test_records_and_probe_do_not_change_results(seed: int, tmp_path: Path) -> None:
-    def observed(device: str, **kwargs: Any) -> GradScaler:
-        scaler = GradScaler(device, **kwargs, history_size=4, probe_every=2)
+    def watched(device: str, **kwargs: Any) -> GradScaler:
+        scaler = observed(GradScaler(device, **kwargs), history=4, probe_every=2)
         scaler.add_sink(JsonlSink(tmp_path / f"{id(scaler)}.jsonl"))
         scaler.on("step", lambda record: None)
         return scaler
 
     script = make_script(seed)
-    assert_same_trace(run_twin(script, observed), run_twin(script, torch.amp.GradScaler))
+    assert_same_trace(run_twin(script, watched), run_twin(script, torch.amp.GradScaler))
 
 
 def test_watched_models_train_bit_for_bit_as_with_torch() -> None:
-    ours = GradScaler("cpu", growth_interval=2, probe_every=3, trace_nonfinite=True, history_size=2)
+    ours = observed(GradScaler("cpu", growth_interval=2), probe_every=3, trace=True, history=2)
     theirs = torch.amp.GradScaler("cpu", growth_interval=2)
     trained = [_train(ours), _train(theirs)]
     for mine, other in zip(*(m.parameters() for m in trained), strict=True):
@@ -187,7 +187,7 @@ def test_watched_models_train_bit_for_bit_as_with_torch() -> None:
 
 
 def test_copies_keep_the_history_but_not_sinks_or_callbacks(tmp_path: Path) -> None:
-    scaler = GradScaler("cpu", history_size=3, probe_every=2)
+    scaler = observed(GradScaler("cpu"), history=3, probe_every=2)
     path = tmp_path / "steps.jsonl"
     sink = scaler.add_sink(JsonlSink(path))
     called: list[int] = []
@@ -202,9 +202,13 @@ def test_copies_keep_the_history_but_not_sinks_or_callbacks(tmp_path: Path) -> N
 
 
 def test_bad_options_and_calls_are_clear_errors() -> None:
-    for kwargs in ({"history_size": -1}, {"probe_every": 0}, {"trace_nonfinite": "yes"}):
-        with pytest.raises(InvalidConfigError, match=next(iter(kwargs))):
-            GradScaler("cpu", **kwargs)
+    with pytest.raises(InvalidConfigError, match="maxlen"):
+        ampscaler.StepHistory(-1)
+    with pytest.raises(InvalidConfigError, match="every"):
+        ampscaler.GradientProbe(every=0)
+    for removed in ("history_size", "probe_every", "trace_nonfinite", "dynamic"):
+        with pytest.raises(TypeError, match=removed):  # replaced by the objects above
+            GradScaler("cpu", **{removed: 1})
     scaler = GradScaler("cpu")
     with pytest.raises(ValueError, match="'overflow', 'backoff', 'growth'"):
         scaler.on("explosion", print)
@@ -217,7 +221,7 @@ def test_bad_options_and_calls_are_clear_errors() -> None:
 
 
 def test_a_disabled_scaler_records_nothing_and_hooks_nothing() -> None:
-    scaler = GradScaler("cpu", enabled=False, history_size=5, probe_every=1, trace_nonfinite=True)
+    scaler = observed(GradScaler("cpu", enabled=False), history=5, probe_every=1, trace=True)
     model = _train(scaler, steps=2, poison={})
     assert scaler.history == [] and scaler.last_overflow is None
     assert not any(m._forward_hooks for m in model.modules())
@@ -268,7 +272,7 @@ def test_one_probe_and_one_tracer_attach_and_anything_else_is_refused() -> None:
 
 
 def test_attached_objects_do_what_the_keyword_shorthands_do() -> None:
-    short = GradScaler("cpu", growth_interval=3, history_size=100, probe_every=4)
+    short = observed(GradScaler("cpu", growth_interval=3), history=100, probe_every=4)
     composed = GradScaler("cpu", growth_interval=3)
     composed.add_sink(ampscaler.StepHistory(100))
     composed.attach(ampscaler.GradientProbe(every=4))

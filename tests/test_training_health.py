@@ -15,6 +15,7 @@ import torch
 
 import ampscaler
 from ampscaler import CollapseAlert, CollapseWatch, LoggingSink, SpikeGuard, StepHistory
+from twins import observed
 
 # ---------------------------------------------------------------- helpers
 
@@ -62,7 +63,8 @@ def test_a_forward_that_overflows_in_fp16_gives_cause_loss() -> None:
     with torch.no_grad():
         model.weight.fill_(300.0)  # 4 * 300 * 100 = 120000: beyond float16's 65504
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ampscaler.GradScaler("cpu", init_scale=8.0, history_size=4, max_consecutive_skips=2)
+    scaler = ampscaler.GradScaler("cpu", init_scale=8.0, max_consecutive_skips=2)
+    observed(scaler, history=4)
     scaler.watch(model)
     for step in range(2):
         with torch.autocast("cpu", dtype=torch.float16):
@@ -233,7 +235,7 @@ def test_a_guard_added_after_training_began_starts_its_warm_up_then() -> None:
 def test_a_spike_step_is_recorded_as_such() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10, history_size=20)
+    scaler = observed(ampscaler.GradScaler("cpu", init_scale=2.0**10), history=20)
     scaler.add_guard(SpikeGuard(window=4))
     _reasons(scaler, model, opt, 6, lambda step, loss: step == 5 and _spike_grads(model))
     record = scaler.history[-1]

@@ -168,3 +168,20 @@ def assert_same_trace(ours: Trace, theirs: Trace) -> None:
         for index, (a, b) in enumerate(zip(mine, other, strict=True)):
             assert torch.equal(a, b) or (a.isnan() == b.isnan()).all(), (step, index)
             assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"step {step} param {index}"
+
+
+def observed(
+    scaler: Any, history: int = 0, probe_every: int | None = None, trace: bool = False
+) -> Any:
+    """``scaler`` with a :class:`~ampscaler.StepHistory` of ``history`` records, a
+    :class:`~ampscaler.GradientProbe` every ``probe_every`` iterations and a
+    :class:`~ampscaler.NonFiniteTracer` attached, as asked; returns it."""
+    import ampscaler
+
+    if history:
+        scaler.add_sink(ampscaler.StepHistory(history))
+    if probe_every is not None:
+        scaler.attach(ampscaler.GradientProbe(every=probe_every))
+    if trace:
+        scaler.attach(ampscaler.NonFiniteTracer())
+    return scaler

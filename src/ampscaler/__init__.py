@@ -17,6 +17,7 @@ from .errors import (
     SinkError,
 )
 from .guards import SpikeGuard
+from .iteration import OptState
 from .master import MasterWeightOptimizer
 from .observe.collapse import CollapseAlert, CollapseWatch
 from .observe.localize import NonFiniteTracer, OverflowReport
@@ -24,7 +25,7 @@ from .observe.probe import GradientProbe, ProbeResult
 from .observe.records import StepRecord, read_log
 from .observe.sinks import JsonlSink, LoggingSink, Sink, StepHistory, TensorBoardSink
 from .policy import HeadroomPolicy, Policy, ScalePolicy, StaticPolicy
-from .scaler import GradScaler, OptState
+from .scaler import GradScaler
 from .state import ScalerStats
 
 __all__ = [

@@ -48,14 +48,15 @@ import torch
 import torch.distributed as dist
 
 from .errors import InvalidConfigError
+from .hostcopy import read_values
 
 __all__ = ["GroupSpec", "RankAgreement", "SettingValue"]
 
 GroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 """What ``process_group=`` takes: one group, or several whose union must agree."""
 
-SettingValue = float | int | bool | None | torch.Tensor
-"""A setting compared across ranks: a Python number, ``None``, or a 0-dim tensor."""
+SettingValue = float | int | bool | str | None | torch.Tensor
+"""A setting compared across ranks: a Python number or string, ``None``, or a 0-dim tensor."""
 
 def _require_group(group: object) -> dist.ProcessGroup:
     if not dist.is_available():
@@ -181,10 +182,11 @@ class RankAgreement:
         """
         row = _plain_row(settings)
         table = self._gather(row)
+        names = dict.fromkeys(name for rank in sorted(table) for name in table[rank])
         differing = [
-            self._describe(name, settings[name], {rank: table[rank][name] for rank in table})
-            for name in row
-            if any(table[rank][name] != row[name] for rank in table)
+            self._describe(name, settings.get(name), {r: table[r].get(name) for r in table})
+            for name in names
+            if any(table[rank].get(name) != row.get(name) for rank in table)
         ]
         if differing:
             raise InvalidConfigError(
@@ -196,17 +198,19 @@ class RankAgreement:
         self.checked = True
 
     @staticmethod
-    def _describe(name: str, local: SettingValue, column: dict[int, float | None]) -> str:
+    def _describe(
+        name: str, local: SettingValue, column: dict[int, float | str | None]
+    ) -> str:
         integral = isinstance(local, (bool, int)) or (
             isinstance(local, torch.Tensor) and not local.is_floating_point()
         )
-        by_value: dict[float | None, list[int]] = {}
+        by_value: dict[float | str | None, list[int]] = {}
         for rank in sorted(column):
             by_value.setdefault(column[rank], []).append(rank)
         parts = []
         for value, ranks in by_value.items():
-            if value is None:
-                shown = "None"
+            if value is None or isinstance(value, str):
+                shown = str(value)
             elif isinstance(local, bool):
                 shown = str(bool(value))
             else:
@@ -311,17 +315,17 @@ class RankAgreement:
         )
 
 
-def _plain_row(settings: Mapping[str, SettingValue]) -> dict[str, float | None]:
-    """The settings as Python numbers (``None`` stays ``None``); the tensors among them are
-    read in one host sync."""
+def _plain_row(settings: Mapping[str, SettingValue]) -> dict[str, float | str | None]:
+    """The settings as Python numbers (``None`` and strings stay as they are); the tensors
+    among them are read in one host sync."""
     tensors = {name: v for name, v in settings.items() if isinstance(v, torch.Tensor)}
-    read: dict[str, float] = {}
-    if tensors:
-        device = next(iter(tensors.values())).device
-        values = [t.detach().to(device, torch.float64).reshape(()) for t in tensors.values()]
-        stacked = torch.stack(values)
-        read = dict(zip(tensors, stacked.tolist(), strict=True))
-    return {
-        name: read[name] if name in read else (None if value is None else float(value))
-        for name, value in settings.items()
-    }
+    read = dict(zip(tensors, read_values(list(tensors.values())), strict=True))
+    row: dict[str, float | str | None] = {}
+    for name, value in settings.items():
+        if name in read:
+            row[name] = float(read[name])
+        elif value is None or isinstance(value, str):
+            row[name] = value
+        else:
+            row[name] = float(value)
+    return row

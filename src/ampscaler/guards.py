@@ -39,10 +39,11 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -298,9 +299,11 @@ class GuardSet:
 
     def __init__(self) -> None:
         self._guards: list[Guard] = []
+        #: Whether any guard was added (a plain attribute: read on every step).
+        self.active = False
 
     def __bool__(self) -> bool:
-        return bool(self._guards)
+        return self.active
 
     def add(self, guard: Guard) -> Guard:
         """Add ``guard``; it decides from the next step on.
@@ -318,6 +321,7 @@ class GuardSet:
         if any(existing is guard for existing in self._guards):
             raise InvalidConfigError(f"{guard!r} is added to this scaler already.")
         self._guards.append(guard)
+        self.active = True
         return guard
 
     def check(
@@ -365,11 +369,13 @@ class GuardSet:
         ``torch.distributed.checkpoint`` loads into a layout it is given)."""
         return json.dumps([_guard_state(guard) for guard in self._guards])
 
-    def load_state_dict(self, text: object) -> None:
-        """Restore what :meth:`state_dict` saved into the guards added now, in order.
+    def prepare_load(self, text: object) -> Callable[[], None]:
+        """Validate what :meth:`state_dict` saved for the guards added now, in order; returns
+        the function that restores it (nothing changes before it is called, so a scaler can
+        validate all of a checkpoint before it loads any of it).
 
-        A checkpoint with more guards than this scaler has warns (their state is dropped);
-        guards this scaler has beyond the checkpoint's start their warm-up.
+        A checkpoint with more guards than this scaler has warns when restored (their state
+        is dropped); guards this scaler has beyond the checkpoint's start their warm-up.
 
         Raises:
             InvalidStateDictError: ``text`` is not such a JSON list, or a guard's state does not
@@ -383,18 +389,28 @@ class GuardSet:
             raise InvalidStateDictError(
                 f"guards must be the JSON list that state_dict() writes, got {text!r:.80}."
             )
-        if len(states) > len(self._guards):
-            warnings.warn(
-                f"The checkpoint holds the state of {len(states)} guard(s), this scaler has "
-                f"{len(self._guards)}: the state of the others is dropped. Add the same guards "
-                "before load_state_dict() to keep it.",
-                UserWarning,
-                stacklevel=4,
-            )
+        loads = []
         for guard, state in zip(self._guards, states, strict=False):
             load = getattr(guard, "load_state_dict", None)
-            if load is not None:
+            trial = getattr(copy.deepcopy(guard), "load_state_dict", None)
+            if load is not None and trial is not None:
+                trial(state)  # on a copy: raises if the state does not fit the guard
+                loads.append((load, state))
+        dropped = len(states) - len(self._guards)
+
+        def restore() -> None:
+            if dropped > 0:
+                warnings.warn(
+                    f"The checkpoint holds the state of {len(states)} guard(s), this scaler has "
+                    f"{len(self._guards)}: the state of the other {dropped} is dropped. Add the "
+                    "same guards before load_state_dict() to keep it.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            for load, state in loads:
                 load(state)
+
+        return restore
 
 
 def _guard_state(guard: Guard) -> dict[str, Any]:

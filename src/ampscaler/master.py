@@ -291,6 +291,12 @@ class MasterWeightOptimizer(Optimizer):
         self._copied_grads = copied
         self._grads_copied = True
 
+    def prepare_grads_for_scaler(self) -> None:
+        """What ``ampscaler.GradScaler`` calls before it reads this optimizer's gradients (the
+        protocol of optimizer wrappers whose checked gradients live elsewhere):
+        :meth:`copy_grads_to_masters`."""
+        self.copy_grads_to_masters()
+
     @overload
     def step(self, closure: None = None) -> None: ...
 

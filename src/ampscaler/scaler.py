@@ -1,58 +1,60 @@
-"""GradScaler: the torch-compatible front, and the per-optimizer stage machine.
-
-Each optimizer moves through three stages within an iteration::
-
-    READY --unscale_()--> UNSCALED --step()--> STEPPED --update()--> READY
-    READY --step()------------------------------^   (step() unscales itself when needed)
+"""GradScaler: torch's API, the per-optimizer stage machine, and the composition of the parts.
 
 One step, as data, and who does each part (see docs/design.md)::
 
-    scale(loss)      this module, reading the live scale          state.py
-    collect          each optimizer's gradient views              grads/collect.py (grads/flat.py)
-    check+unscale    found_inf on the device                      grads/check.py
-    agree            found_inf max-reduced over the ranks         distributed.py
-    decide           optimizer.step() or skip                     this module
-    update           the policy moves the state in place          policy.py, state.py
-    record           step records, reports, sinks                 observe/
+    scale(loss)      this module, reading the live scale                state.py
+    collect          each optimizer's gradient views                    grads/collect.py
+    check+unscale    found_inf on the device                            grads/check.py
+    guard            other skip rules join found_inf on the device      guards.py
+    agree            found_inf max-reduced over the ranks               distributed.py
+    decide           optimizer.step() or skip                           this module (grads/fused.py)
+    update           the policy moves the state in place                policy/, state.py
+    record           step records, reports, sinks                       observe/
+
+What one iteration gathers (per-optimizer records, the losses, the outcome) is an
+:class:`~ampscaler.iteration.Iteration`; the moving values are the
+:class:`~ampscaler.state.ScalerState`. Everything optional plugs in through a small protocol: the
+policy (:class:`~ampscaler.Policy`, and the meter a measuring policy asks for), guards
+(:class:`~ampscaler.guards.Guard`), observers (:class:`~ampscaler.observe.monitor.Monitor`),
+optimizer wrappers that prepare their gradients (``prepare_grads_for_scaler()``), and the opt-in
+performance routes (``flat_grads``, ``one_pass_fused``).
 """
 
 from __future__ import annotations
 
-import enum
 import warnings
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import torch
 
-from .checkpoint import CheckpointMethods, check_skip_limit, headroom_settings, policy_settings
-from .compat import (
-    TorchPolicyMethods,
-    TorchPrivateMethods,
-    TorchStateAccess,
-    device_and_enabled,
-    new_scale_value,
-    scale_nested,
-    step_fused,
-)
+from .arguments import check_skip_limit, check_switch, device_and_enabled, new_scale_value
+from .checkpoint import from_state_dict, to_state_dict
+from .compat import TorchPrivateNames
 from .distributed import GroupSpec, RankAgreement, SettingValue
-from .errors import InvalidConfigError, PersistentOverflowError, ScalerUsageError
-from .grads.check import FusedRoute, check_and_unscale_
+from .errors import PersistentOverflowError, ScalerUsageError
+from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
+from .grads.fused import FusedRoute, step_fused
 from .guards import Guard, GuardSet
-from .headroom import HeadroomMeter, check_alone
-from .master import MasterWeightOptimizer
-from .observe.api import ObserverMethods, StepOutcome
-from .observe.monitor import Monitor
-from .policy import HeadroomPolicy, Policy, policy_from_arguments, starting_scale
-from .state import HostState, LiveState
+from .iteration import Iteration, OptimizerRecord, OptState, SkipReason, StepOutcome, flag_sum
+from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, RecordCallback
+from .observe.sinks import Sink
+from .policy import Meter, Policy, policy_from_arguments
+from .state import LiveState, ScalerState, ScalerStats
+from .taps import WatchedModels
+
+if TYPE_CHECKING:
+    from .observe.localize import OverflowReport
+    from .observe.records import StepRecord
 
 __all__ = ["GradScaler", "OptState"]
 
 GuardT = TypeVar("GuardT", bound=Guard)
+SinkT = TypeVar("SinkT", bound=Sink)
+AttachableT = TypeVar("AttachableT", bound=Attachable)
 
 BF16_MESSAGE = (
     "ampscaler: {what} bfloat16, whose range is float32's: bfloat16 needs no loss scaling. "
@@ -60,51 +62,57 @@ BF16_MESSAGE = (
 )
 
 
-class OptState(enum.Enum):
-    """Where an optimizer is within the current iteration."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-@dataclass
-class _OptimizerRecord:
-    # Held so that the id() this record is keyed by cannot be reused within the iteration.
-    optimizer: torch.optim.Optimizer
-    stage: OptState = OptState.READY
-    # The checked flag on the scale's device (agreed across ranks with a process group);
-    # None before the check, or when the optimizer held no gradient.
-    found_inf: torch.Tensor | None = None
-    local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
-    # The guards' verdict (0-dim float, > 0: skip although finite); None without guards.
-    spike: torch.Tensor | None = None
-
-    def skip_flag(self, found_inf: torch.Tensor) -> torch.Tensor:
-        """The flag the step is decided by: ``found_inf``, or the guards' verdict with it."""
-        return found_inf if self.spike is None else torch.maximum(found_inf, self.spike)
+def _reciprocal(live: LiveState) -> torch.Tensor:
+    """``1/scale`` as torch's scaler forms it: in float64, rounded once to float32. On a device
+    without float64 it is formed in float32, which gives the same value for every power-of-two
+    scale (the default policy keeps one). No host sync."""
+    if live.float64:
+        return live.scale.double().reciprocal().float()
+    return live.scale.reciprocal()
 
 
 def _ignore(loss: torch.Tensor) -> None:
     """Keeps nothing (``scale()`` under ``torch.compile``)."""
 
 
-def _sum(flags: list[torch.Tensor]) -> torch.Tensor | None:
-    """The flags added up (``None`` for none): > 0 iff any of them is."""
-    total = None
-    for flag in flags:
-        total = flag if total is None else total + flag
-    return total
+def _scale_nested(
+    outputs: object,
+    scale_on: Callable[[torch.device], torch.Tensor],
+    seen: Callable[[torch.Tensor], None],
+) -> Any:
+    """Every tensor in nested lists/tuples/iterables multiplied by ``scale_on(its device)``,
+    each passed to ``seen`` first. Lists and tuples come back as the same type; other
+    iterables as a lazy iterator (as in torch). The scale is fetched once per device.
+
+    Raises:
+        ValueError: a leaf that is not a tensor.
+    """
+    per_device: dict[torch.device, torch.Tensor] = {}
+
+    def scaled(value: object) -> Any:
+        if isinstance(value, torch.Tensor):
+            seen(value)
+            scale = per_device.get(value.device)
+            if scale is None:
+                scale = per_device[value.device] = scale_on(value.device)
+            return value * scale
+        if isinstance(value, Mapping):
+            raise ValueError(
+                "scale() takes a Tensor or a list/tuple of Tensors, not a dict (as torch's): "
+                "scale the values, e.g. scaler.scale(list(losses.values())), or their sum."
+            )
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise ValueError(
+                "outputs must be a Tensor or an iterable of Tensors, found a "
+                f"{type(value).__name__}; pass the loss tensor(s) to scale()."
+            )
+        items = (scaled(item) for item in value)
+        return type(value)(items) if isinstance(value, (list, tuple)) else items
+
+    return scaled(outputs)
 
 
-def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    """``1/scale`` as torch's scaler forms it: in float64, rounded once to float32."""
-    return scale.double().reciprocal().float()
-
-
-class GradScaler(
-    TorchStateAccess, TorchPolicyMethods, TorchPrivateMethods, ObserverMethods, CheckpointMethods
-):
+class GradScaler(TorchPrivateNames):
     """Dynamic loss scaling for mixed-precision training; a drop-in ``torch.amp.GradScaler``.
 
     ``scale(loss)`` multiplies the loss by the scale ``S`` so that small fp16 gradients do not
@@ -112,11 +120,12 @@ class GradScaler(
     ``optimizer.step()`` only when they are finite; ``update()`` moves ``S`` by the policy: by
     default it backs off after an overflow and grows after ``growth_interval`` clean steps.
 
-    With its default arguments the results (parameters, scale, growth tracker) are bit for bit
-    those of ``torch.amp.GradScaler``, its ``state_dict`` loads into torch's scaler and torch's
-    loads into it. Arguments after ``enabled`` are ampscaler's own and keyword-only. The scale
-    and the rest of the per-step state live in tensors on the device that are updated in
-    place, so a compiled or captured graph that read them sees the live values.
+    With its default arguments the results (parameters, gradients, optimizer state, scale,
+    growth tracker) are bit for bit those of ``torch.amp.GradScaler``, its ``state_dict`` loads
+    into torch's scaler and torch's loads into it. Arguments after ``enabled`` are ampscaler's
+    own and keyword-only. The scale and the rest of the per-step state live in tensors on the
+    device that are updated in place, so a compiled or captured graph that read them sees the
+    live values.
 
     Example:
         >>> import torch
@@ -138,36 +147,40 @@ class GradScaler(
         device: device type the scaler runs on ("cpu", "cuda", ...), or ``None`` for the device
             of the first tensor passed to :meth:`scale`. Like torch, ``"cuda"`` on a machine
             without CUDA warns and disables the scaler.
-        init_scale: the initial scale.
+        init_scale: the initial scale (at least ``2**-126``, where unscaling stays exact).
         growth_factor: multiplies the scale after ``growth_interval`` clean steps (> 1).
         backoff_factor: multiplies the scale after an overflow (in (0, 1)).
-        growth_interval: clean steps in a row before the scale grows (>= 1).
+        growth_interval: clean steps in a row before the scale grows (in [1, 2**31 - 1]).
         enabled: ``False`` makes every method a pass-through: ``scale`` returns its input,
             ``step`` calls ``optimizer.step``, ``get_scale`` returns 1.0.
         policy: how the scale moves, as an object: :class:`~ampscaler.ScalePolicy` (torch's
-            rule, plus hysteresis and bounds), :class:`~ampscaler.StaticPolicy`, or
+            rule, plus hysteresis and bounds), :class:`~ampscaler.StaticPolicy`,
             :class:`~ampscaler.HeadroomPolicy` (set from measured gradients; it starts at its
             own ``first_scale``, not at ``init_scale``, and measures the models given to
-            :meth:`watch`). The arguments ``growth_factor`` to ``growth_interval`` and
-            ``hysteresis`` to ``dynamic`` are shorthands for it; pass one or the other.
+            :meth:`watch`), or a policy of your own (:class:`~ampscaler.Policy`). The
+            arguments ``growth_factor`` to ``growth_interval`` and ``hysteresis`` to
+            ``max_scale`` are shorthands for a :class:`~ampscaler.ScalePolicy`; pass one or
+            the other.
         hysteresis: shorthand for :class:`~ampscaler.ScalePolicy`'s (``1``: torch's rule).
         min_scale: shorthand for :class:`~ampscaler.ScalePolicy`'s (``None``: no bound).
         max_scale: shorthand for :class:`~ampscaler.ScalePolicy`'s (``None``: no bound).
-        dynamic: ``False`` is ``policy=StaticPolicy()``.
         max_consecutive_skips: raise :class:`~ampscaler.PersistentOverflowError` from
             :meth:`update` once this many iterations in a row were skipped, instead of skipping
             forever. Setting it makes :meth:`update` read one counter from the device (a sync).
-        history_size: shorthand for ``add_sink(StepHistory(history_size))`` (0: none).
-        probe_every: shorthand for ``attach(GradientProbe(every=probe_every))``.
-        trace_nonfinite: shorthand for ``attach(NonFiniteTracer())``.
         process_group: a ``torch.distributed`` group whose ranks must agree on overflow (FSDP,
             ZeRO, tensor or pipeline parallelism; not needed with DDP), or a list of groups
             whose union must (Megatron's tensor- and data-parallel groups): each optimizer's
             flag is max-reduced over them before the step decision. One all_reduce per group,
             optimizer and iteration; see :mod:`ampscaler.distributed` and docs/distributed.md.
-        flat_grads: move gradients that stay the same tensors from step to step into one flat
-            buffer per device and dtype, so the check runs as one kernel (see
-            :mod:`ampscaler.grads.flat`). Off by default: it relocates the gradients' memory.
+        flat_grads: an opt-in speed-up for many small gradients: move gradients that stay the
+            same tensors from step to step into one flat buffer per device and dtype, so the
+            check runs as one kernel (see :mod:`ampscaler.grads.flat`; it flattens only where
+            that pays). Off by default: it relocates the gradients' memory.
+        one_pass_fused: an opt-in speed-up for torch's fused optimizers: with a power-of-two
+            scale, unscale in the pass that checks the gradients and hand the kernel no
+            ``grad_scale`` (parameters stay bit for bit torch's; after a *skipped* step the
+            gradients are left unscaled, where torch leaves them scaled). See
+            :mod:`ampscaler.grads.fused`.
 
     Raises:
         InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument;
@@ -190,111 +203,42 @@ class GradScaler(
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
-        dynamic: bool = True,
         max_consecutive_skips: int | None = None,
-        history_size: int = 0,
-        probe_every: int | None = None,
-        trace_nonfinite: bool = False,
         process_group: GroupSpec | None = None,
         flat_grads: bool = False,
+        one_pass_fused: bool = False,
     ) -> None:
         rule = {
             "growth_factor": growth_factor, "backoff_factor": backoff_factor,
             "growth_interval": growth_interval, "hysteresis": hysteresis,
             "min_scale": min_scale, "max_scale": max_scale,
         }  # fmt: skip
-        self._policy = policy_from_arguments(policy, dynamic, rule)
-        scale = self._init_scale = starting_scale(self._policy, init_scale)
+        chosen = policy_from_arguments(policy, rule)
+        self._init_scale = chosen.starting_scale(init_scale)
+        self._init_growth_tracker = 0
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
-        if not isinstance(flat_grads, bool):
-            raise InvalidConfigError(f"flat_grads must be True or False, got {flat_grads!r}.")
+        self._planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
+        self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
-        # Python values until the first scale() puts the state on a device, then LiveState.
-        self._state: LiveState | HostState = HostState(scale, 0, self._policy.hysteresis)
-        self._route: FusedRoute | None = None  # created with the live state
-        self._per_optimizer: dict[int, _OptimizerRecord] = {}
-        self._planner = GradPlanner() if flat_grads else None
+        self._agreement = None if process_group is None else RankAgreement(process_group)
+        self._state = ScalerState(chosen, self._init_scale)
+        if self._fused.one_pass:
+            self._state.watch_powers_of_two()
+        self._iteration = Iteration()
         self._guards = GuardSet()
+        self._monitor = Monitor(enabled=self._enabled)
+        self._watched = WatchedModels()  # for the policy's meter
+        self._meter = self._new_meter(chosen, 0)
         self._last_outcome: StepOutcome | None = None
         self._outcomes: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepOutcome] = (
             weakref.WeakKeyDictionary()
         )
-        self._warned_bf16 = False
         # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
-        self._first_iteration = True
-        self._monitor = Monitor(enabled=self._enabled)
-        self._meter: HeadroomMeter | None = None  # measures for a HeadroomPolicy
-        self._checked_alone = False  # whether a meter without process_group was allowed
-        self._follow(self._policy)
-        self._agreement = None if process_group is None else RankAgreement(process_group)
-        self._attach_shorthands(history_size, probe_every, trace_nonfinite)
+        self._looks_for_bf16 = True
         if self._enabled and self._device == "cpu":
             # Nothing to wait for on the CPU: made now, a compiled step sees one type of state
             # from its first call (no recompile when it would otherwise be made).
-            self._live(torch.device("cpu"))
-
-    # ------------------------------------------------------------------ state plumbing
-
-    def _live(self, device: torch.device) -> LiveState:
-        """The live state (settled), put on ``device`` by the first call."""
-        state = self._state
-        if isinstance(state, LiveState):
-            state.settle()
-            return state
-        live = self._state = LiveState.from_host(self._policy, device, state)
-        # As held on the host: a power of two here is one in float32 too; a value that only
-        # rounds to one counts as unknown, which is safe (torch's route until the next read).
-        self._route = FusedRoute(self._policy, live.scale, state.scale)
-        if self._device is None:
-            self._device = device.type
-        return live
-
-    def _require_state(self, funcname: str) -> LiveState:
-        if not isinstance(self._state, LiveState) or self._state.unused_scale is not None:
-            raise ScalerUsageError(
-                f"Attempted {funcname}() but the scale was never used: call "
-                "scaler.scale(loss).backward() earlier in the iteration, before "
-                f"scaler.{funcname}()."
-            )
-        return self._state  # settled by scale(), which every iteration starts with
-
-    def _set_policy(self, policy: Policy, iteration: int = 0) -> None:
-        """Use ``policy`` from now on (a setter, a loaded checkpoint whose policy's own count
-        of iterations is ``iteration``)."""
-        super()._set_policy(policy)
-        self._follow(policy, iteration)
-
-    def _follow(self, policy: Policy, iteration: int = 0) -> None:
-        """Measure for ``policy`` if it is a HeadroomPolicy, from its iteration ``iteration``."""
-        if not isinstance(policy, HeadroomPolicy):
-            if self._meter is not None:
-                self._meter = None
-                self._monitor.set_meter(None)
-        elif self._meter is None:
-            self._meter = HeadroomMeter(policy, iteration)
-            self._monitor.set_meter(self._meter)
-        else:
-            self._meter.restart(policy, iteration)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        if self._meter is not None:  # a copy's monitor starts without the meter
-            self._monitor.set_meter(self._meter)
-
-    def _saw(self, value: float) -> None:
-        if self._route is not None:
-            self._route.saw(value)  # renews what the fused route knows, for free
-
-    def _record(self, optimizer: torch.optim.Optimizer, funcname: str) -> _OptimizerRecord:
-        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
-            raise TypeError(
-                f"scaler.{funcname}() expects a torch.optim.Optimizer (an object with "
-                f"param_groups and step()), got {type(optimizer).__name__}."
-            )
-        record = self._per_optimizer.get(id(optimizer))
-        if record is None:
-            record = self._per_optimizer[id(optimizer)] = _OptimizerRecord(optimizer)
-        return record
+            self._state.on(torch.device("cpu"))
 
     # ------------------------------------------------------------------ scale
 
@@ -331,17 +275,22 @@ class GradScaler(
         # The losses are kept (not read) for the skip's cause and the guards; not under
         # torch.compile, where a growing list would change a compiled guard every iteration.
         compiling = torch.compiler.is_compiling()
-        if not compiling and self._first_iteration and not self._warned_bf16:
+        if not compiling and self._looks_for_bf16:
             device = outputs.device.type if isinstance(outputs, torch.Tensor) else self._device
             self._warn_if_bf16_autocast(device or "cuda")
         if isinstance(outputs, torch.Tensor):
             if not compiling:
-                self._monitor.note_loss(outputs)
+                self._keep_loss(outputs)
             return outputs * self._scale_on(outputs.device)
-        scaled: Iterable[torch.Tensor] = scale_nested(
-            outputs, self._scale_on, _ignore if compiling else self._monitor.note_loss
+        scaled: Iterable[torch.Tensor] = _scale_nested(
+            outputs, self._scale_on, _ignore if compiling else self._keep_loss
         )
         return scaled
+
+    def _keep_loss(self, loss: torch.Tensor) -> None:
+        self._iteration.keep_loss(loss)
+        if self._meter is not None:
+            self._meter.start()
 
     def _warn_if_bf16_autocast(self, device_type: str) -> None:
         if (
@@ -352,13 +301,13 @@ class GradScaler(
             self._warn_bf16("scale() was called inside an autocast region of")
 
     def _warn_bf16(self, what: str) -> None:
-        self._warned_bf16 = True
+        self._looks_for_bf16 = False  # once is enough
         warnings.warn(BF16_MESSAGE.format(what=what), UserWarning, stacklevel=4)
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
-        live = self._live(device)
-        live.unused_scale = None  # from now on the scale is the float32 tensor's value
-        scale = live.scale
+        if self._device is None:
+            self._device = device.type  # the first scaled tensor's
+        scale = self._state.use(device).scale
         return scale if scale.device == device else scale.to(device, non_blocking=True)
 
     # ------------------------------------------------------------------ unscale and step
@@ -387,8 +336,8 @@ class GradScaler(
         """
         if not self._enabled:
             return
-        state = self._require_state("unscale_")
-        record = self._record(optimizer, "unscale_")
+        live = self._state.require("unscale_")
+        record = self._iteration.record(optimizer, "unscale_")
         if record.stage is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update(). "
@@ -399,24 +348,30 @@ class GradScaler(
                 "unscale_() is being called after step(). Call scaler.unscale_(optimizer) "
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
-        groups = self._collect(optimizer, state, allow_fp16=False)
-        self._check(groups, record, state, _reciprocal(state.scale))
+        self._unscale(record, live)
+
+    def _unscale(self, record: OptimizerRecord, live: LiveState) -> None:
+        groups = self._collect(record.optimizer, live, allow_fp16=False)
+        self._check(groups, record, live, _reciprocal(live))
         record.stage = OptState.UNSCALED
 
     def _collect(
-        self, optimizer: torch.optim.Optimizer, state: LiveState, allow_fp16: bool
+        self, optimizer: torch.optim.Optimizer, live: LiveState, allow_fp16: bool
     ) -> GradGroups:
         """``optimizer``'s gradient views (this rank's shards of them), grouped for the check."""
-        if isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.copy_grads_to_masters()  # the masters' gradients are the ones checked
-        self._monitor.before_check(optimizer, state.scale)
+        prepare = getattr(optimizer, "prepare_grads_for_scaler", None)
+        if prepare is not None:
+            prepare()  # e.g. master weights: the gradients checked are the masters'
+        self._monitor.before_check(optimizer, live.scale)
+        if self._meter is not None:
+            self._meter.measure(optimizer)
         local = self._agreement is not None  # then this scaler reduces the flag itself
         if self._planner is not None:
             groups = self._planner.groups(optimizer, allow_fp16, local)
         else:
             groups = collect(optimizer, allow_fp16=allow_fp16, local=local)
         # Under torch.compile the flags are not read: a guard on them would recompile.
-        if not torch.compiler.is_compiling() and self._first_iteration and not self._warned_bf16:
+        if not torch.compiler.is_compiling() and self._looks_for_bf16:
             dtypes = {dtype for per_dtype in groups.values() for dtype in per_dtype}
             if dtypes == {torch.bfloat16}:
                 self._warn_bf16("every gradient of this optimizer is")
@@ -425,35 +380,33 @@ class GradScaler(
     def _check(
         self,
         groups: GradGroups,
-        record: _OptimizerRecord,
-        state: LiveState,
+        record: OptimizerRecord,
+        live: LiveState,
         multiplier: torch.Tensor,
     ) -> None:
         """Multiply the gradients in ``groups`` by ``multiplier``, flag inf/NaN in ``record``,
         and start agreeing on the flag across ranks. No host sync."""
-        found_inf = check_and_unscale_(groups, multiplier, state.device)
-        if self._guards:
+        found_inf = check_and_unscale_(groups, multiplier, live.device)
+        if self._guards.active:
             record.spike = self._guards.check(
                 record.optimizer,
                 groups,
-                multiplier * state.scale,
-                self._monitor.loss(),
+                multiplier * live.scale,
+                self._iteration.loss(),
                 self._agreement,
             )
         if self._agreement is not None:
             record.local_found_inf, found_inf = self._agreement.agree(
-                found_inf, state.device, self._settings
+                found_inf, live.device, self._settings
             )
         record.found_inf = found_inf
+        self._iteration.scale = live.scale
 
     def _settings(self) -> dict[str, SettingValue]:
         """What ranks compare before they agree: the configuration and the live state."""
-        state = self._require_state("step")
         return {
-            **policy_settings(self._policy, self._max_consecutive_skips),
-            **headroom_settings(self._policy),
-            # A HeadroomPolicy's history is compared by its sum (one number per setting).
-            **{name: t if t.dim() == 0 else t.sum() for name, t in state.tensors._asdict().items()},
+            **self._state.comparable(),
+            "max_consecutive_skips": self._max_consecutive_skips,
         }
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -465,10 +418,6 @@ class GradScaler(
         are handed to the optimizer and nothing waits for the device; for all others, deciding
         whether to step reads one flag from the device (a host sync), as in torch.
 
-        With torch's own fused optimizers and a power-of-two scale the check pass also unscales,
-        sparing the kernel a write pass; results are bit for bit torch's, but after a *skipped*
-        fused step the gradients are left unscaled (see :mod:`ampscaler.grads.check`).
-
         Under ``torch.compile`` it runs eagerly, as torch's ``step()`` does (one graph break;
         the optimizer's own step breaks the graph anyway). Call :meth:`unscale_` first to have
         the check traced into the compiled graph, with the clipping that usually follows.
@@ -479,7 +428,7 @@ class GradScaler(
                 ``optimizer.step``), or a second ``step()`` before ``update()``.
         """
         if torch.compiler.is_compiling():
-            return self._eager_step(optimizer, *args, **kwargs)  # a graph break, on purpose
+            return _step_eagerly(self, optimizer, *args, **kwargs)  # a graph break, on purpose
         return self._step(optimizer, *args, **kwargs)
 
     def _step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -491,28 +440,23 @@ class GradScaler(
                 "loss, call scaler.scale(loss).backward(), then scaler.step(optimizer) without "
                 "a closure."
             )
-        state = self._require_state("step")
-        record = self._record(optimizer, "step")
+        live = self._state.require("step")
+        record = self._iteration.record(optimizer, "step")
         if record.stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() has already been called since the last update(). Call scaler.update() "
                 "once per iteration, after stepping every optimizer."
             )
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_step(optimizer, record, state, args, kwargs)
+            return self._fused_step(record, live, args, kwargs)
         if record.stage is OptState.READY:
-            self.unscale_(optimizer)
-        return self._plain_step(optimizer, record, state, args, kwargs)
-
-    # step() runs eagerly under torch.compile, as torch's does (without the disable wrapper's
-    # cost on every eager call).
-    _eager_step = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
+            self._unscale(record, live)
+        return self._plain_step(record, live, args, kwargs)
 
     def _plain_step(
         self,
-        optimizer: torch.optim.Optimizer,
-        record: _OptimizerRecord,
-        state: LiveState,
+        record: OptimizerRecord,
+        live: LiveState,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -525,46 +469,50 @@ class GradScaler(
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
-        skip = record.skip_flag(found_inf)
+        skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
         if self._agreement is not None:  # the group's verdict, and who overflowed
             skipped, ranks = self._agreement.decide(record.local_found_inf, skip)
         else:
             skipped = bool(skip.item())
         # Only a skipped step with a guard needs to know which flag it was: a second read.
         nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
-        self._outcome(optimizer, StepOutcome(nonfinite, skipped and not nonfinite))
-        record.stage = OptState.STEPPED
-        self._monitor.note_step(optimizer, nonfinite, state.scale, state.counters, ranks)
-        return None if skipped else optimizer.step(*args, **kwargs)
-
-    def _outcome(self, optimizer: torch.optim.Optimizer, outcome: StepOutcome) -> None:
-        self._last_outcome = outcome
-        self._outcomes[optimizer] = outcome
+        self._stepped(record, nonfinite, skipped and not nonfinite)
+        self._monitor.note_step(self._iteration, record.optimizer, nonfinite, live.counters, ranks)
+        return None if skipped else record.optimizer.step(*args, **kwargs)
 
     def _fused_step(
         self,
-        optimizer: torch.optim.Optimizer,
-        record: _OptimizerRecord,
-        state: LiveState,
+        record: OptimizerRecord,
+        live: LiveState,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        optimizer = record.optimizer
         grad_scale: torch.Tensor | None = getattr(optimizer, "grad_scale", None)
         if record.stage is OptState.READY:
-            assert self._route is not None  # created with the live state
-            groups = self._collect(optimizer, state, allow_fp16=True)
-            multiplier, grad_scale = self._route.plan(optimizer, groups)
-            self._check(groups, record, state, multiplier)
+            groups = self._collect(optimizer, live, allow_fp16=True)
+            exact = self._fused.one_pass and self._state.exact_reciprocal
+            multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
+            self._check(groups, record, live, multiplier)
         if self._agreement is not None:
             self._agreement.settle()  # the kernel must see the agreed flag
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
-            found_inf = torch.zeros((), dtype=torch.float32, device=state.device)
-        retval = step_fused(optimizer, grad_scale, record.skip_flag(found_inf), args, kwargs)
-        record.stage = OptState.STEPPED
-        self._outcome(optimizer, StepOutcome(found_inf, record.spike))
-        self._monitor.note_step(optimizer, found_inf, state.scale, state.counters)
+            found_inf = torch.zeros((), dtype=torch.float32, device=live.device)
+        skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
+        retval = step_fused(optimizer, grad_scale, skip, args, kwargs)
+        self._stepped(record, found_inf, record.spike)
+        self._monitor.note_step(self._iteration, optimizer, found_inf, live.counters)
         return retval
+
+    def _stepped(
+        self,
+        record: OptimizerRecord,
+        found_inf: torch.Tensor | bool,
+        spike: torch.Tensor | bool | None,
+    ) -> None:
+        outcome = self._last_outcome = record.stepped(found_inf, spike)
+        self._outcomes[record.optimizer] = outcome
 
     # ------------------------------------------------------------------ update
 
@@ -579,15 +527,16 @@ class GradScaler(
 
         No host sync, except: a tensor ``new_scale`` is read, ``max_consecutive_skips`` reads
         the skip counter, and consumers of step records (sinks, history, :meth:`on`) read the
-        iteration's outcome in one sync. With a :class:`~ampscaler.HeadroomPolicy` and a
-        ``process_group``, a measured iteration max-reduces its measurement over the group
-        (one all_reduce, waited for as the inf flags are: with gloo the host waits); with a
-        HeadroomPolicy ``update()`` runs eagerly under ``torch.compile`` (a graph break).
+        iteration's outcome in one sync. With a measuring policy
+        (:class:`~ampscaler.HeadroomPolicy`) and a ``process_group``, a measured iteration
+        max-reduces its measurement over the group (one all_reduce, waited for as the inf flags
+        are: with gloo the host waits); with a measuring policy ``update()`` runs eagerly under
+        ``torch.compile`` (a graph break).
 
         Under ``torch.compile`` (with none of those three) it hands the iteration's flags to the
-        live state and the next ``scale()`` applies them, so it compiles with no device work of
-        its own; anything that reads the state applies a pending update first, so the values
-        are the eager run's (docs/compiled.md).
+        state and the next ``scale()`` applies them, so it compiles with no device work of its
+        own; anything that reads the state applies a pending update first, so the values are
+        the eager run's (docs/compiled.md).
 
         Raises:
             AssertionError / RuntimeError: no ``step()`` (or ``unscale_``) was recorded in this
@@ -599,106 +548,359 @@ class GradScaler(
         if not self._enabled:
             return
         if self._meter is not None and torch.compiler.is_compiling():
-            self._eager_update(new_scale)  # a graph break: the meter's schedule is Python
+            _update_eagerly(self, new_scale)  # a graph break: the meter's schedule is Python
             return
-        state = self._require_state("update")
+        live = self._state.require("update")
+        iteration = self._iteration
         if self._agreement is not None:
             self._agreement.settle()
-        flags = [r.found_inf for r in self._per_optimizer.values() if r.found_inf is not None]
+        flags = iteration.flags()
         if new_scale is None and flags and self._defers_update():
-            state.defer(self._policy, flags)
-            self._moved_by_policy()
+            self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
-            self._end_iteration(flags[0], state.scale, state)
+            self._end(iteration, flags[0], live.scale, None, live)
             return
-        state.settle()  # an earlier update handed over under torch.compile comes first
-        found_inf = _sum(flags)  # > 0 iff any optimizer overflowed
-        spiked = (
-            _sum([r.spike for r in self._per_optimizer.values() if r.spike is not None])
-            if self._guards
-            else None
-        )
-        if new_scale is not None:
-            value = new_scale_value(new_scale, self._policy)
-            old_scale = state.set_scale(value, found_inf, spiked)
-            self._saw(value)
-            if self._meter is not None:
-                self._meter.skip()
-        elif found_inf is None:
-            raise ScalerUsageError(
-                "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
-                "for every optimizer of the iteration before scaler.update()."
-            )
-        else:
-            measured = None if self._meter is None else self._measured(self._meter, state)
-            old_scale = state.advance(self._policy, found_inf, spiked, measured)
-            if self._meter is not None:
-                self._meter.advance()
-            self._moved_by_policy()
-        if found_inf is None:
-            self._per_optimizer = {}
+        found_inf = flag_sum(flags)  # > 0 iff any optimizer overflowed
+        spiked = flag_sum(iteration.spikes()) if self._guards.active else None
+        old_scale = self._move(new_scale, found_inf, spiked, live)
+        if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
+            self._iteration = Iteration()
             return
         if spiked is not None:
             self._guards.end_iteration((found_inf + spiked) > 0)
-        self._end_iteration(found_inf, old_scale, state, spiked)
+        self._end(iteration, found_inf, old_scale, spiked, live)
         if self._max_consecutive_skips is not None:
-            self._check_persistent_overflow(state, self._max_consecutive_skips)
+            self._check_persistent_overflow(live, self._max_consecutive_skips)
 
-    # update() runs eagerly under torch.compile with a HeadroomPolicy (whose measuring
-    # schedule is a Python count, which a compiled graph would be guarded on).
-    _eager_update = torch.compiler.disable(update)  # type: ignore[no-untyped-call]
+    def _move(
+        self,
+        new_scale: float | torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        spiked: torch.Tensor | None,
+        live: LiveState,
+    ) -> torch.Tensor:
+        """Set the scale to ``new_scale``, or move it by the policy; returns a copy of the
+        scale before."""
+        if new_scale is not None:
+            value = new_scale_value(new_scale, self._state.policy)
+            if self._meter is not None:
+                self._meter.skip()
+            return self._state.set_scale(value, found_inf, spiked)
+        if found_inf is None:
+            self._iteration.require_checked()
+        assert found_inf is not None
+        measured = None if self._meter is None else self._measured(self._meter, live)
+        old_scale = self._state.advance(found_inf, spiked, measured)
+        if self._meter is not None:
+            self._meter.advance()
+        return old_scale
 
-    def _measured(self, meter: HeadroomMeter, state: LiveState) -> torch.Tensor | None:
-        """The iteration's measurement for a HeadroomPolicy (``None``: not measured), agreed
+    def _measured(self, meter: Meter, live: LiveState) -> torch.Tensor | None:
+        """The iteration's measurement for a measuring policy (``None``: not measured), agreed
         across the ranks of ``process_group`` (an all_reduce of one value, on measured
         iterations only: every rank follows the same schedule)."""
-        measured = meter.take(state.device)
-        if measured is None:
-            return None
-        if self._agreement is not None:
+        measured = meter.take(live.device)
+        if measured is not None and self._agreement is not None:
             measured = self._agreement.launch(measured)
             self._agreement.settle()
-        elif not self._checked_alone:
-            self._checked_alone = True
-            check_alone()
         return measured
 
     def _defers_update(self) -> bool:
         """Whether ``update()`` hands its work to the next read of the state: under
         ``torch.compile``, when no host read is due now (no step records consumed, no skip
-        limit); see :meth:`LiveState.defer`."""
+        limit, no guard)."""
         return (
             torch.compiler.is_compiling()
             and self._max_consecutive_skips is None
             and not self._monitor.consuming
-            and not self._guards
+            and not self._guards.active
         )
 
-    def _moved_by_policy(self) -> None:
-        assert self._route is not None  # created with the live state
-        self._route.updated()
-
-    def _end_iteration(
+    def _end(
         self,
+        iteration: Iteration,
         found_inf: torch.Tensor,
         old_scale: torch.Tensor,
-        state: LiveState,
-        spiked: torch.Tensor | None = None,
+        spiked: torch.Tensor | None,
+        live: LiveState,
     ) -> None:
-        self._per_optimizer = {}
-        self._first_iteration = False
-        self._monitor.after_update(found_inf, old_scale, state.scale, state.counters, spiked)
+        iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
+        iteration.new_scale = live.scale
+        self._iteration = Iteration()
+        self._looks_for_bf16 = False
+        self._monitor.after_update(iteration, live.counters)
 
-    def _check_persistent_overflow(self, state: LiveState, limit: int) -> None:
-        in_a_row = int(state.counters.consecutive_skips.item())
+    def _check_persistent_overflow(self, live: LiveState, limit: int) -> None:
+        in_a_row = int(live.counters.consecutive_skips.item())
         if in_a_row >= limit:
             raise PersistentOverflowError.after(
                 in_a_row, limit, self.get_scale(), self.last_overflow
             )
 
+    # ------------------------------------------------------------------ the scale and rule
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float; 1.0 when disabled. A host sync.
+
+        Example:
+            >>> import ampscaler
+            >>> ampscaler.GradScaler("cpu", init_scale=128.0).get_scale()
+            128.0
+        """
+        return self._state.scale_value() if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._state.policy.torch_rule().growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1)."""
+        self._state.change_rule("set_growth_factor", growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale backs off by after an overflow."""
+        return self._state.policy.torch_rule().backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        self._state.change_rule("set_backoff_factor", backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale grows."""
+        return self._state.policy.torch_rule().growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (in [1, 2**31 - 1])."""
+        self._state.change_rule("set_growth_interval", growth_interval=new_interval)
+
     def is_enabled(self) -> bool:
         """Whether scaling is on."""
         return self._enabled
+
+    @property
+    def policy(self) -> Policy:
+        """The scale policy in force (read-only; use the setters or a new scaler to change it)."""
+        return self._state.policy
+
+    @property
+    def stats(self) -> ScalerStats:
+        """Counters so far: steps, skipped, growths, backoffs, consecutive_skips, spike_skips
+        (see :class:`~ampscaler.ScalerStats`). A host sync.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> stats = ampscaler.GradScaler("cpu").stats
+            >>> stats.steps, stats.skipped, stats.spike_skips
+            (0, 0, 0)
+        """
+        return self._state.stats()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state: torch's five keys plus ampscaler's policy state and counters.
+
+        Torch's ``GradScaler.load_state_dict`` reads the five keys it knows and ignores the
+        rest, so this loads into torch's scaler too (format: :mod:`ampscaler.checkpoint`).
+        Empty when disabled. A host sync. Take it after :meth:`update`.
+
+        Example:
+            >>> import ampscaler
+            >>> sorted(ampscaler.GradScaler("cpu").state_dict())[:5]
+            ['_growth_tracker', '_hysteresis_tracker', 'backoff_factor', 'dynamic', 'growth_factor']
+        """
+        if not self._enabled:
+            return {}
+        return to_state_dict(
+            self._state.policy,
+            self._max_consecutive_skips,
+            self._state.snapshot(),
+            self._guards.state_dict(),
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state saved by this class or by ``torch.amp.GradScaler``.
+
+        Everything is validated before anything changes: a rejected dict leaves the scaler as
+        it was. With a ``process_group``, the ranks compare what they loaded at the next step
+        (one gather per group) and stop with an error naming the ranks that differ.
+
+        Like torch, the checkpoint's configuration (factors, interval, and here also the rest
+        of the policy and ``max_consecutive_skips`` when present) replaces the constructor's.
+        A torch state dict leaves ampscaler's own options as constructed and starts the
+        counters at 0. The live state is overwritten in place. No-op when disabled.
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler).
+            KeyError / ValueError: a dict that is not a scaler's, or holds invalid values
+                (:class:`~ampscaler.InvalidStateDictError` is both).
+        """
+        if not self._enabled:
+            return
+        loaded = from_state_dict(state_dict, self._state.policy, self._max_consecutive_skips)
+        restore_guards = (
+            self._guards.prepare_load(state_dict["guards"]) if "guards" in state_dict else None
+        )
+        # Everything is valid: from here on nothing raises.
+        self._state.load(loaded.state, loaded.policy)
+        self._max_consecutive_skips = loaded.max_consecutive_skips
+        self._init_scale = loaded.state.scale
+        self._init_growth_tracker = loaded.state.growth_tracker
+        if self._meter is not None:
+            self._meter.detach()
+        self._meter = self._new_meter(loaded.policy, loaded.state.own.get("iteration", 0))
+        if restore_guards is not None:
+            restore_guards()
+        if self._agreement is not None:
+            self._agreement.recheck()  # the ranks compare what they loaded at the next step
+
+    def _new_meter(self, policy: Policy, iteration: int) -> Meter | None:
+        """The meter ``policy`` asks for, watching the models watched so far."""
+        if not self._enabled:
+            return None
+        meter = policy.new_meter(iteration, agreed=self._agreement is not None)
+        if meter is not None:
+            for model, prefix in self._watched:
+                meter.watch(model, prefix)
+        return meter
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._enabled and self._iteration.records:
+            raise ScalerUsageError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                "or at the end after scaler.update()."
+            )
+        state = self.__dict__.copy()
+        if self._enabled:  # as torch's: a copy starts from the values held now
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+        outcome = self._last_outcome
+        state["_last_outcome"] = None if outcome is None else outcome.settled()
+        # Which optimizers skipped, and which models are watched, belong to this object.
+        state["_outcomes"] = None
+        state["_watched"] = WatchedModels()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._outcomes = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ skips and reports
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent :meth:`step` skipped ``optimizer.step()`` (False before any).
+
+        Use it to keep LR schedulers and weight averages in step with the parameters::
+
+            scaler.step(optimizer)
+            scaler.update()
+            if not scaler.last_step_skipped:
+                scheduler.step()
+                ema.update_parameters(model)
+
+        A step a guard skipped (:class:`~ampscaler.SpikeGuard`) counts as skipped;
+        :attr:`last_skip_reason` tells the two apart, :meth:`step_skipped` follows each
+        optimizer of a loop with several.
+
+        A host sync on the fused-optimizer path (it reads the inf flag handed to the kernel);
+        free otherwise, since the decision already read it.
+        """
+        outcome = self._last_outcome
+        return outcome is not None and outcome.skipped
+
+    @property
+    def last_skip_reason(self) -> SkipReason | None:
+        """Why the most recent :meth:`step` skipped: ``"nonfinite"`` (inf/NaN gradients: the
+        scale backs off), ``"spike"`` (a guard vetoed finite gradients: the scale stays), or
+        ``None`` (it stepped, or no step yet). Same syncs as :attr:`last_step_skipped`.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+            >>> scaler.step(opt)
+            >>> scaler.update()
+            >>> scaler.last_skip_reason, scaler.last_overflow.cause
+            ('nonfinite', 'loss')
+        """
+        outcome = self._last_outcome
+        return None if outcome is None else outcome.reason
+
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the latest :meth:`step` of ``optimizer`` was skipped (for any reason).
+
+        For loops with several optimizers, where :attr:`last_step_skipped` follows only the
+        last ``step()``: keep each optimizer's scheduler in step with its parameters. Valid
+        until that optimizer's next ``step()``, across ``update()``. A host sync on the fused
+        path, as :attr:`last_step_skipped`.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+            >>> opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+            >>> opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> x = torch.ones(1, 2)
+            >>> scaler.scale(a(x).sum() + b(x).sum()).backward()
+            >>> b.bias.grad.fill_(float("inf"))
+            tensor([inf])
+            >>> scaler.step(opt_a), scaler.step(opt_b)
+            (None, None)
+            >>> scaler.update()
+            >>> scaler.step_skipped(opt_a), scaler.step_skipped(opt_b)
+            (False, True)
+
+        Raises:
+            ScalerUsageError: (a ``RuntimeError``) ``optimizer`` has not been stepped through
+                this scaler.
+        """
+        outcome = self._outcomes.get(optimizer)
+        if outcome is None:
+            raise ScalerUsageError(
+                f"step_skipped() was asked about an optimizer ({type(optimizer).__name__}) "
+                "that this scaler has not stepped: call it after scaler.step(optimizer)."
+            )
+        return outcome.skipped
+
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """Which parameters held inf/NaN in the latest iteration, or ``None`` if it was clean.
+
+        The iteration is the one in progress once it has called :meth:`step`, otherwise the
+        last one that reached :meth:`update`; the report covers all of its optimizers.
+        Parameters are named as :meth:`watch` learned them.
+
+        Plain optimizers are localized inside :meth:`step` when it skips (it already knows).
+        Fused optimizers (``Adam(fused=True)``) decide inside their kernel, so nothing is
+        known without a host sync: their overflow is localized when this property is first
+        read (or at :meth:`update` when step records are consumed). Read it before
+        ``optimizer.zero_grad()``; afterwards the gradients are gone and the report can only
+        say that the step overflowed. Clean iterations never run a localization pass.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> scaler.watch(model)
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> model.bias.grad.fill_(float("nan"))
+            tensor([nan])
+            >>> scaler.step(opt)
+            >>> scaler.update()
+            >>> report = scaler.last_overflow
+            >>> report.names, report.kinds, report.cause
+            (['bias'], {'bias': 'nan'}, 'gradients')
+            >>> print(report)  # doctest: +ELLIPSIS
+            step 0: non-finite gradients at scale 65536 in 1 parameter(s): bias (nan); cause: ...
+        """
+        live = self._state.live
+        return self._monitor.last_overflow(self._iteration, None if live is None else live.counters)
+
+    # ------------------------------------------------------------------ plug-ins
 
     def add_guard(self, guard: GuardT) -> GuardT:
         """Add a skip rule beyond inf/NaN (a :class:`~ampscaler.SpikeGuard`, or anything with
@@ -722,17 +924,136 @@ class GradScaler(
         self._guards.add(guard)
         return guard
 
-    # ------------------------------------------------------------------ configuration
+    def watch(self, *models: torch.nn.Module, **named_models: torch.nn.Module) -> None:
+        """Learn parameter names from ``models`` so overflow reports can name them; a measuring
+        policy and attached probes and tracers watch their modules too.
+
+        Keyword arguments prefix the names, which keeps several models apart
+        (``watch(encoder=enc, decoder=dec)`` names ``decoder.fc.weight``). Without
+        ``watch()``, reports name parameters by position (``group0.param3``).
+
+        Example:
+            >>> import ampscaler, torch
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> scaler.watch(torch.nn.Linear(2, 2))
+            >>> scaler.watch(head=torch.nn.Linear(2, 1))
+        """
+        watched = [(model, "") for model in models] + [
+            (model, prefix) for prefix, model in named_models.items()
+        ]
+        for model, prefix in watched:
+            self._monitor.watch(model, prefix)
+            if self._enabled:
+                self._watched.add(model, prefix)
+            if self._meter is not None:
+                self._meter.watch(model, prefix)
+
+    def add_sink(self, sink: SinkT) -> SinkT:
+        """Send every step record to ``sink`` (an object with ``write(record)``); returns it.
+
+        Attaching a sink makes :meth:`update` sync once per iteration. See
+        :mod:`ampscaler.observe.sinks`.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> from ampscaler import LoggingSink
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> sink = scaler.add_sink(LoggingSink("train"))
+            >>> scaler.remove_sink(sink)
+
+        Raises:
+            TypeError: ``sink`` has no ``write`` method.
+        """
+        self._monitor.add_sink(sink)
+        return sink
+
+    def remove_sink(self, sink: Sink) -> None:
+        """Stop sending records to ``sink`` (without closing it).
+
+        Raises:
+            ValueError: ``sink`` is not attached.
+        """
+        self._monitor.remove_sink(sink)
+
+    def attach(self, observer: AttachableT) -> AttachableT:
+        """Attach a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer`
+        to the models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of
+        the default one; returns it.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> from ampscaler import GradientProbe
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> probe = scaler.attach(GradientProbe(every=100))
+
+        Raises:
+            TypeError: not a probe, tracer or collapse watch. ValueError: a probe or tracer
+                is attached already.
+        """
+        self._monitor.attach(observer)
+        return observer
+
+    @overload
+    def on(self, event: Literal["collapse"], fn: CollapseCallback) -> Callable[[], None]: ...
+
+    @overload
+    def on(self, event: str, fn: RecordCallback) -> Callable[[], None]: ...
+
+    def on(self, event: str, fn: Callback) -> Callable[[], None]:
+        """Call ``fn(record)`` at the end of :meth:`update` when ``event`` happened.
+
+        Events: ``"step"`` (every iteration), ``"overflow"`` (skipped), ``"backoff"`` (the
+        scale went down), ``"growth"`` (it went up); ``fn`` gets the
+        :class:`~ampscaler.StepRecord`, and registering it makes :meth:`update` sync once per
+        iteration. ``"collapse"``: the scale fell far below its running maximum or skips piled
+        up (see :class:`~ampscaler.CollapseWatch`); ``fn`` gets a
+        :class:`~ampscaler.CollapseAlert`, and registering it costs nothing per iteration.
+        Returns a function that unregisters ``fn``.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> stop = scaler.on("overflow", lambda record: print(record.overflow))
+            >>> stop()
+
+        Raises:
+            ValueError: an unknown event (:class:`~ampscaler.InvalidConfigError`).
+            TypeError: ``fn`` is not callable.
+        """
+        return self._monitor.on(event, fn)
 
     @property
-    def policy(self) -> Policy:
-        """The scale policy in force (read-only; use the setters or a new scaler to change it)."""
-        return self._policy
+    def history(self) -> list[StepRecord]:
+        """The records kept by the first attached :class:`~ampscaler.StepHistory`, oldest first
+        (empty without one).
+
+        Example:
+            >>> import ampscaler, torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu", init_scale=256.0)
+            >>> _ = scaler.add_sink(ampscaler.StepHistory(100))
+            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            >>> scaler.step(opt)
+            >>> scaler.update()
+            >>> record = scaler.history[-1]
+            >>> record.step, record.scale, record.skipped
+            (0, 256.0, False)
+        """
+        return self._monitor.history
 
     def __repr__(self) -> str:
         if not self._enabled:
             return "GradScaler(enabled=False)"
         return (
             f"GradScaler(device={self._device!r}, scale={self.get_scale():g}, "
-            f"policy={self._policy})"
+            f"policy={self._state.policy})"
         )
+
+
+# Under torch.compile, step() runs eagerly, as torch's does, and update() with a measuring
+# policy (whose schedule is a Python count a compiled graph would be guarded on). The wrappers
+# import dynamo only when first called (which only happens under torch.compile), so importing
+# ampscaler does not.
+_step_eagerly = torch._disable_dynamo(GradScaler._step)  # type: ignore[attr-defined]
+_update_eagerly = torch._disable_dynamo(GradScaler.update)  # type: ignore[attr-defined]

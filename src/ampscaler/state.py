@@ -1,24 +1,30 @@
-"""The scaler's live state on the device: created once, updated in place.
+"""The scaler's state: the policy's tensors and the step counters, created lazily, updated in
+place, and settled on every read.
 
-:class:`LiveState` holds every tensor that changes from step to step: the scale, the growth
-tracker and the hysteresis budget (a :class:`~ampscaler.policy.ScaleState` of 0-dim tensors)
-and the step counters. The tensor objects never change: ``update()``, ``update(new_scale)``,
-loading a checkpoint and the setters all write into them (``copy_``, ``fill_``), so a compiled
-graph or a CUDA graph that captured ``scaler.scale(loss)`` or a fused step reads the live value.
+:class:`ScalerState` is the one object a :class:`~ampscaler.GradScaler` keeps its moving values
+in, for its whole life. Before the first ``scale()`` the device is not known and it holds Python
+numbers (a :class:`HostState`, which is also what checkpoints and pickles carry); from then on
+the tensors of a :class:`LiveState` on the device: the policy's state (scale, growth tracker and
+whatever the policy adds) and the :class:`StepCounters`. Which of the two it holds is its own
+business: every read goes through it.
 
-Counting costs ``update()`` almost no device work: :meth:`StepCounters.record` keeps the
-iteration's inf flag and a copy of the scale it started from. The kept iterations are folded
-into five ``int64`` counters with a dozen vectorized ops when somebody reads the counters, or
-every :data:`FOLD_EVERY` iterations; nothing waits for the device until somebody reads
-:class:`ScalerStats`.
+The tensor objects never change once made: ``update()``, ``update(new_scale)``, loading a
+checkpoint and the setters write into them (``copy_``, ``fill_``), so a compiled graph or a CUDA
+graph that captured ``scaler.scale(loss)`` or a fused step reads the live value.
+
+Under ``torch.compile`` an ``update()`` with nothing to read on the host hands its flags over
+(:meth:`ScalerState.defer`) and the next read applies them, branch-free (so the compiled graph
+holds no Python decision that changes from step to step). Every read settles first; nothing
+outside this module needs to know.
 
 Example:
     >>> import torch
     >>> from ampscaler.policy import ScalePolicy
-    >>> state = LiveState(ScalePolicy(growth_interval=1), torch.device("cpu"), scale=8.0)
-    >>> scale = state.scale
-    >>> _ = state.advance(ScalePolicy(growth_interval=1), torch.tensor(0.0))   # clean: grows
-    >>> state.scale is scale, state.scale.item(), state.counters.stats().growths
+    >>> state = ScalerState(ScalePolicy(growth_interval=1), 8.0)
+    >>> live = state.use(torch.device("cpu"))      # what scale() does
+    >>> scale = live.scale
+    >>> _ = state.advance(torch.tensor(0.0))           # a clean iteration: the scale grows
+    >>> state.live.scale is scale, state.scale_value(), state.stats().growths
     (True, 16.0, 1)
 """
 
@@ -31,12 +37,18 @@ from typing import Any
 
 import torch
 
-from .policy import HeadroomPolicy, HeadroomState, Policy, PolicyState, ScaleState, initial_state
+from .errors import ScalerUsageError
+from .grads.pow2 import Pow2Watch
+from .hostcopy import read_values
+from .policy import Policy, PolicyState, float32_value
 
-__all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerStats", "StepCounters"]
+__all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
 
 #: Iterations kept before they are folded into the counters, at the latest.
 FOLD_EVERY = 64
+
+#: The largest value an int64 counter holds.
+INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -69,8 +81,10 @@ class ScalerStats:
 class StepCounters:
     """The counters of :class:`ScalerStats` on the device, starting from ``stats``.
 
-    The counters are read by name: :attr:`steps` and :attr:`consecutive_skips` as 0-dim
-    tensors (no sync), :meth:`stats` as Python ints (a host sync).
+    Counting costs ``update()`` almost no device work: :meth:`record` keeps the iteration's
+    inf flag and a copy of the scale it started from. The kept iterations are folded into the
+    counters with a dozen vectorized ops when somebody reads them, or every :data:`FOLD_EVERY`
+    iterations; nothing waits for the device until somebody reads :meth:`stats`.
 
     Args:
         scale: the live scale tensor (read when kept iterations are folded).
@@ -139,27 +153,30 @@ class StepCounters:
         self._count(found_inf.reshape(1), flags, old_scale.reshape(1))
 
     @property
+    def values(self) -> torch.Tensor:
+        """The counters in :class:`ScalerStats`' order, an int64 tensor on the device (no
+        sync; the same tensor, updated in place)."""
+        self._fold()
+        return self._values
+
+    @property
     def steps(self) -> torch.Tensor:
         """Iterations counted so far, a 0-dim int64 tensor on the device (no sync)."""
-        self._fold()
-        return self._values[0]
+        return self.values[0]
 
     @property
     def skipped(self) -> torch.Tensor:
         """Iterations skipped for inf/NaN so far, a 0-dim int64 tensor (no sync)."""
-        self._fold()
-        return self._values[1]
+        return self.values[1]
 
     @property
     def consecutive_skips(self) -> torch.Tensor:
         """Skipped iterations in a row up to the latest, a 0-dim int64 tensor (no sync)."""
-        self._fold()
-        return self._values[4]
+        return self.values[4]
 
     def stats(self) -> ScalerStats:
         """The counters as Python ints (a host sync)."""
-        self._fold()
-        return ScalerStats(*(int(v) for v in self._values.tolist()))
+        return ScalerStats(*(int(v) for v in self.values.tolist()))
 
     def _fold(self) -> None:
         if self._found:
@@ -203,162 +220,234 @@ class StepCounters:
 
 @dataclass(frozen=True)
 class HostState:
-    """The same values as :class:`LiveState`, as Python numbers: what a scaler holds before
-    its first ``scale()`` (when the device is not known yet), and what checkpoints and pickles
-    carry. ``extra``: a :class:`~ampscaler.HeadroomPolicy`'s own fields (history, counts) by
-    name; empty for the other policies."""
+    """The state as Python values: what a scaler holds before its first ``scale()``, and what
+    checkpoints and pickles carry.
+
+    Attributes:
+        scale: the loss scale.
+        growth_tracker: clean steps in a row (torch's growth tracker).
+        own: the policy's own state values by name (``hysteresis_left`` for a
+            :class:`~ampscaler.ScalePolicy`; empty: fresh).
+        stats: the counters.
+    """
 
     scale: float
-    growth_tracker: int
-    hysteresis_left: int
+    growth_tracker: int = 0
+    own: Mapping[str, Any] = field(default_factory=dict)
     stats: ScalerStats = ScalerStats()
-    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def values(self) -> dict[str, Any]:
+        """What :meth:`Policy.initial_state <ampscaler.Policy.initial_state>` takes."""
+        return {"growth_tracker": self.growth_tracker, **self.own}
+
+
+def _host_state(
+    scale: float, tensors: PolicyState, read: list[Any], stats: ScalerStats
+) -> HostState:
+    """``tensors`` (a policy's state) as Python values, from their values ``read``."""
+    values: dict[str, Any] = dict(zip(tensors._asdict(), read, strict=True))
+    del values["scale"]
+    tracker = values.pop("growth_tracker")
+    return HostState(scale, tracker, values, stats)
+
+
+def _supports_float64(device: torch.device) -> bool:
+    """Whether ``device`` computes in float64 (MPS and Intel Arc do not: torch raises)."""
+    try:
+        torch.zeros((), dtype=torch.float64, device=device)
+    except (TypeError, RuntimeError):
+        return False
+    return True
 
 
 class LiveState:
-    """Scale, growth tracker, hysteresis budget and counters on ``device``, updated in place.
+    """The state's tensors on one device, for the length of one call of the scaler.
 
     Attributes:
-        scale: the loss scale, a 0-dim float32 tensor.
-        growth_tracker: clean steps in a row, a 0-dim int32 tensor.
-        hysteresis_left: overflows still absorbed before the next backoff, 0-dim int32.
-        tensors: the three as a :class:`~ampscaler.policy.ScaleState` (a
-            :class:`~ampscaler.policy.HeadroomState`, which adds its own, for a
-            :class:`~ampscaler.HeadroomPolicy`).
+        tensors: the policy's state (:class:`~ampscaler.policy.PolicyState`).
+        scale: the loss scale, a 0-dim float32 tensor (``tensors.scale``).
+        growth_tracker: torch's growth tracker, a 0-dim int32 tensor.
         counters: the step counters.
         device: where the state lives.
-        unused_scale: the scale as given (not rounded to float32) until the first ``scale()``
-            uses the state: what torch's ``get_scale()`` and ``state_dict()`` report until then.
-
-    Args:
-        policy: the policy whose initial budget fills ``hysteresis_left`` by default.
-        device: where the state lives (the device of the first scaled tensor).
-        scale: the starting scale.
-        growth_tracker: the starting growth tracker.
-        hysteresis_left: the starting hysteresis budget (``None``: the policy's full budget).
-        stats: the starting counters (``None``: all zero).
-        extra: a :class:`~ampscaler.HeadroomPolicy`'s own starting values (``None``: fresh).
+        float64: whether the device computes in float64 (MPS and Intel Arc do not).
     """
 
-    def __init__(
-        self,
-        policy: Policy,
-        device: torch.device,
-        *,
-        scale: float,
-        growth_tracker: int = 0,
-        hysteresis_left: int | None = None,
-        stats: ScalerStats | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.tensors: PolicyState = initial_state(
-            policy, scale, device, growth_tracker, hysteresis_left, extra
-        )
-        # The same tensor objects for the state's lifetime, by name.
-        self.scale, self.growth_tracker, self.hysteresis_left = self.tensors[:3]
+    def __init__(self, tensors: PolicyState, stats: ScalerStats) -> None:
+        self.tensors = tensors
+        self.scale = tensors.scale
+        self.growth_tracker = tensors.growth_tracker
         self.device = self.scale.device
         self.counters = StepCounters(self.scale, stats)
-        self.unused_scale: float | None = scale
-        # An update handed over under torch.compile (see defer()); NaN: nothing pending.
-        self._pending: tuple[torch.Tensor, ...] = (self._nothing(),)
-        self._pending_policy = policy
-        self.deferred = False
+        self.float64 = _supports_float64(self.device)
 
-    @classmethod
-    def from_host(cls, policy: Policy, device: torch.device, host: HostState) -> LiveState:
-        """The live state on ``device`` holding ``host``'s values."""
-        return cls(
-            policy,
-            device,
-            scale=host.scale,
-            growth_tracker=host.growth_tracker,
-            hysteresis_left=host.hysteresis_left,
-            stats=host.stats,
-            extra=host.extra,
+    def replace_tensors(self, tensors: PolicyState) -> None:
+        """Take a loaded policy's state: values are copied into the tensors that exist (scale
+        and growth tracker always, the policy's own where their layout is the same), so that
+        captured graphs keep reading them; tensors of another layout are replaced."""
+        same = type(tensors) is type(self.tensors) and all(
+            old.shape == new.shape and old.dtype == new.dtype
+            for old, new in zip(self.tensors, tensors, strict=True)
         )
+        if same:
+            for old, new in zip(self.tensors, tensors, strict=True):
+                old.copy_(new)
+            return
+        self.scale.copy_(tensors.scale)
+        self.growth_tracker.copy_(tensors.growth_tracker)
+        kind: Any = type(tensors)  # the policy's NamedTuple
+        own = list(tensors)[2:]
+        self.tensors = kind(self.scale, self.growth_tracker, *own)
 
-    def to_host(self) -> HostState:
-        """The values as Python numbers (a host sync)."""
-        values = torch.cat([t.reshape(-1).to(torch.float64) for t in self.tensors]).tolist()
-        scale, tracker, budget = values[:3]
-        if self.unused_scale is not None:
-            scale = self.unused_scale
-        extra: dict[str, Any] = {}
-        at = 3
-        for name, tensor in list(self.tensors._asdict().items())[3:]:
-            taken = values[at : at + tensor.numel()]
-            at += tensor.numel()
-            if tensor.dim():
-                extra[name] = taken
-            else:
-                extra[name] = taken[0] if tensor.is_floating_point() else int(taken[0])
-        return HostState(scale, int(tracker), int(budget), self.counters.stats(), extra)
+
+class ScalerState:
+    """The scaler's moving values for its whole life: on the host until the first device is
+    known, then on it (module docstring).
+
+    Args:
+        policy: the policy whose state it holds.
+        scale: the starting scale (validated by the caller).
+    """
+
+    def __init__(self, policy: Policy, scale: float) -> None:
+        self._policy = policy
+        self._host: HostState = HostState(scale)
+        self._live: LiveState | None = None
+        # Until scale() uses it, the scale is reported as given (not rounded to float32), as
+        # torch's get_scale() and state_dict() do before the first scale().
+        self._used = False
+        # An update handed over under torch.compile (see defer()); a NaN flag: nothing pending
+        # (made with the live state: always one flag or more, so a compiled read of it is
+        # guarded on the same length every step).
+        self._pending: tuple[torch.Tensor, ...] = ()
+        self._pending_policy = policy
+        self._deferred = False
+        self._watch: Pow2Watch | None = None  # made by watch_powers_of_two()
+
+    # ------------------------------------------------------------------ the policy
+
+    @property
+    def policy(self) -> Policy:
+        """The policy whose state this is."""
+        return self._policy
+
+    def change_rule(self, funcname: str, **changes: Any) -> None:
+        """Change torch's rule numbers (``set_growth_factor()`` and friends), validated by the
+        policy; an update still pending applies under the old numbers.
+
+        Raises:
+            ScalerUsageError: the policy has no such rule.
+            InvalidConfigError: a value out of range.
+        """
+        policy = self._policy.with_rule(funcname, **changes)
+        self._apply_pending()
+        self._policy = self._pending_policy = policy
+        if self._watch is not None:
+            self._watch.set_policy(policy.power_of_two)
+
+    # ------------------------------------------------------------------ reads (settled)
+
+    @property
+    def live(self) -> LiveState | None:
+        """The tensors (settled), or ``None`` before the first device is known."""
+        self._apply_pending()
+        return self._live
+
+    def on(self, device: torch.device) -> LiveState:
+        """The tensors (settled), put on ``device`` by the first call. Under
+        ``torch.compile`` a pending update is applied masked, whether there is one or not."""
+        if self._live is None:
+            self._make_live(device)
+        if torch.compiler.is_compiling():
+            self._settle_masked()
+        else:
+            self._apply_pending()
+        assert self._live is not None
+        return self._live
+
+    def use(self, device: torch.device) -> LiveState:
+        """The tensors (settled), put on ``device`` by the first call, for ``scale()``: from
+        now on the scale is the float32 tensor's value."""
+        live = self.on(device)
+        self._used = True
+        return live
+
+    def require(self, funcname: str) -> LiveState:
+        """The tensors (settled), for a step of the iteration ``scale()`` started.
+
+        Raises:
+            ScalerUsageError: ``scale()`` has not been used yet.
+        """
+        live = self.live
+        if live is None or not self._used:
+            raise ScalerUsageError(
+                f"Attempted {funcname}() but the scale was never used: call "
+                "scaler.scale(loss).backward() earlier in the iteration, before "
+                f"scaler.{funcname}()."
+            )
+        return live
+
+    def scale_value(self) -> float:
+        """The scale as a Python float (a host sync once it lives on a device)."""
+        live = self.live
+        if live is None or not self._used:
+            return self._host.scale
+        value = float(live.scale.item())
+        self._saw(value)
+        return value
+
+    def growth_tracker_value(self) -> int:
+        """torch's growth tracker as an int (a host sync once it lives on a device)."""
+        live = self.live
+        return self._host.growth_tracker if live is None else int(live.growth_tracker.item())
+
+    def stats(self) -> ScalerStats:
+        """The counters as Python ints (a host sync once they live on a device)."""
+        live = self.live
+        return self._host.stats if live is None else live.counters.stats()
+
+    def snapshot(self) -> HostState:
+        """Every value as Python numbers, the policy's own state complete (one host sync once
+        they live on a device)."""
+        live = self.live
+        if live is None:
+            host = self._host
+            fresh = self._policy.initial_state(host.scale, torch.device("cpu"), host.values())
+            return _host_state(host.scale, fresh, read_values(list(fresh)), host.stats)
+        read = read_values([*live.tensors, live.counters.values])
+        stats = ScalerStats(*read[-1])
+        scale = float(read[0]) if self._used else self._host.scale
+        self._saw(float32_value(scale))
+        return _host_state(scale, live.tensors, read[:-1], stats)
+
+    def comparable(self) -> dict[str, Any]:
+        """What ranks compare before they agree: the policy's settings and every state tensor
+        (0-dim; a tensor of several values by its sum)."""
+        policy = self._policy
+        settings: dict[str, Any] = {**policy.torch_rule()._asdict(), "policy": policy.kind}
+        settings.update(policy.settings())
+        live = self.live
+        if live is not None:
+            for name, tensor in live.tensors._asdict().items():
+                settings[name] = tensor if tensor.dim() == 0 else tensor.sum()
+        return settings
+
+    # ------------------------------------------------------------------ writes
 
     def advance(
         self,
-        policy: Policy,
         found_inf: torch.Tensor,
         spiked: torch.Tensor | None = None,
         measured: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
-        does not see; and what a :class:`~ampscaler.HeadroomPolicy` ``measured``): move the
-        state by ``policy``, count it.
-
-        Returns a copy of the scale the iteration started from. No host sync.
-        """
-        old = self.scale.clone()
-        if isinstance(policy, HeadroomPolicy):
-            policy.update_(self.tensors, found_inf, measured)
-        else:
-            assert isinstance(self.tensors, ScaleState)  # made for the policy in force
-            policy.update_(self.tensors, found_inf)
-        self.counters.record(found_inf, old, spiked)
+        does not see; and what a measuring policy ``measured``): move the state by the policy,
+        count it. Returns a copy of the scale the iteration started from. No host sync."""
+        live = self._settled_live()
+        old = live.scale.clone()
+        self._policy.update_(live.tensors, found_inf, measured)
+        live.counters.record(found_inf, old, spiked)
+        self._updated(live.scale)
         return old
-
-    def _nothing(self) -> torch.Tensor:
-        # A new tensor each time: one kept and reused would alias the pending flag on the
-        # first compiled call, and torch.compile guards on aliasing (a recompile later).
-        return torch.full((), math.nan, dtype=torch.float32, device=self.device)
-
-    def defer(self, policy: Policy, flags: Sequence[torch.Tensor]) -> None:
-        """``update()`` under ``torch.compile``: keep the iteration's inf flags and apply the
-        policy at the next :meth:`settle`. No device work here: between the optimizer's graph
-        break and ``zero_grad()``'s, any would be a compiled graph of its own (torch's scaler
-        runs its update eagerly there, with none)."""
-        self._pending = tuple(flags)
-        self._pending_policy = policy
-        self.deferred = True
-
-    def settle(self) -> None:
-        """Apply an update handed over by :meth:`defer`, in place (every reader calls this).
-
-        Eagerly only when one is pending. Under ``torch.compile`` always, branch-free: the
-        transition is masked by whether the kept flag is NaN (nothing pending), so the graph
-        holds no Python decision that could change from step to step. No host sync.
-        """
-        if not (torch.compiler.is_compiling() or self.deferred):
-            return
-        if isinstance(self._pending_policy, HeadroomPolicy) and not self.deferred:
-            return  # its updates never wait for a read (nothing to mask under torch.compile)
-        found = self._pending[0]
-        for flag in self._pending[1:]:
-            found = found + flag
-        pending = ~torch.isnan(found)
-        old = self.scale.clone()
-        policy = self._pending_policy
-        found_or_zero = torch.where(pending, found, 0.0)
-        if isinstance(policy, HeadroomPolicy):
-            moved: PolicyState = policy.adjust(self.tensors, found_or_zero)
-        else:
-            assert isinstance(self.tensors, ScaleState)  # made for the policy in force
-            moved = policy.adjust(self.tensors, found_or_zero)
-        for live, value in zip(self.tensors, moved, strict=True):
-            if value is not live:
-                live.copy_(torch.where(pending, value, live))
-        self.counters.count_now(found, old)  # kept iterations would change a compiled guard
-        self._pending = (self._nothing(),)
-        self.deferred = False
 
     def set_scale(
         self,
@@ -366,35 +455,134 @@ class LiveState:
         found_inf: torch.Tensor | None,
         spiked: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``update(new_scale)``: write ``value`` into the scale (for a
-        :class:`~ampscaler.HeadroomPolicy` also into what its measurements and overflows allow,
-        until the next measurement or overflow); count the iteration when ``found_inf`` is
-        given. Returns a copy of the old scale."""
-        old = self.scale.clone()
-        self.scale.fill_(value)
-        if isinstance(self.tensors, HeadroomState):  # held until the next measurement
-            self.tensors.target.fill_(value)
+        """``update(new_scale)``: write ``value`` into the state by the policy; count the
+        iteration when ``found_inf`` is given. Returns a copy of the old scale."""
+        live = self._settled_live()
+        old = live.scale.clone()
+        self._policy.set_scale_(live.tensors, value)
         if found_inf is not None:
-            self.counters.record(found_inf, old, spiked)
+            live.counters.record(found_inf, old, spiked)
+        self._saw(value)
         return old
+
+    def defer(self, flags: Sequence[torch.Tensor]) -> None:
+        """``update()`` under ``torch.compile``: keep the iteration's inf flags and apply the
+        policy at the next read. No device work here: between the optimizer's graph break and
+        ``zero_grad()``'s, any would be a compiled graph of its own (torch's scaler runs its
+        update eagerly there, with none)."""
+        self._pending = tuple(flags)
+        self._pending_policy = self._policy
+        self._deferred = True
+        if self._watch is not None:
+            self._watch.forget(self._settled_live().scale)
 
     def load(self, host: HostState, policy: Policy) -> None:
         """Overwrite every value with ``host``'s (a loaded checkpoint for ``policy``), keeping
-        the tensors: the scale, tracker and budget always, a
-        :class:`~ampscaler.HeadroomPolicy`'s own unless their shapes change."""
-        if self.unused_scale is not None:
-            self.unused_scale = host.scale
-        self.scale.fill_(host.scale)
-        self.growth_tracker.fill_(host.growth_tracker)
-        self.hysteresis_left.fill_(host.hysteresis_left)
-        self.counters.reset(host.stats)
-        loaded = initial_state(policy, host.scale, self.device, extra=host.extra)
-        if type(loaded) is type(self.tensors) and all(
-            old.shape == new.shape for old, new in zip(self.tensors, loaded, strict=True)
-        ):
-            for old, new in zip(self.tensors[3:], loaded[3:], strict=True):
-                old.copy_(new)
-        else:
-            self.tensors = type(loaded)(self.scale, self.growth_tracker, self.hysteresis_left,
-                                        *loaded[3:])
-        self._pending_policy = policy
+        the tensors (see :meth:`LiveState.replace_tensors`)."""
+        self._apply_pending()
+        self._policy = self._pending_policy = policy
+        if self._live is None:
+            self._host = host
+            return
+        if not self._used:
+            self._host = HostState(host.scale)
+        device = self._live.device
+        self._live.replace_tensors(policy.initial_state(host.scale, device, host.values()))
+        self._live.counters.reset(host.stats)
+        if self._watch is not None:
+            self._watch.set_policy(policy.power_of_two)
+        self._saw(float32_value(host.scale))
+
+    # ------------------------------------------------------------------ powers of two
+
+    def watch_powers_of_two(self) -> None:
+        """From now on, know on the host whether the scale is a power of two (see
+        :attr:`exact_reciprocal`); a few Python operations per update."""
+        if self._watch is None:
+            self._watch = Pow2Watch(self._policy.power_of_two)
+            live = self._live
+            if live is not None:
+                self._watch.use_device(live.device)
+            self._watch.saw(self.scale_value())
+
+    @property
+    def exact_reciprocal(self) -> bool:
+        """Whether ``1/scale`` is certainly exact in float32 now (a power of two within
+        float32's normal range), known without reading the device. ``False`` unless
+        :meth:`watch_powers_of_two` was called."""
+        self._apply_pending()
+        return self._watch is not None and self._watch.exact
+
+    # ------------------------------------------------------------------ internals
+
+    def _make_live(self, device: torch.device) -> None:
+        host = self._host
+        tensors = self._policy.initial_state(host.scale, device, host.values())
+        self._live = LiveState(tensors, host.stats)
+        self._pending = (self._nothing(device),)
+        if self._watch is not None:
+            self._watch.use_device(device)
+            # As held on the host: a power of two here is one in float32 too; a value that only
+            # rounds to one counts as unknown, which is safe (torch's route until the next read).
+            self._watch.saw(host.scale)
+
+    def _settled_live(self) -> LiveState:
+        live = self.live
+        assert live is not None, "the state lives on a device once scale() has run"
+        return live
+
+    def _saw(self, value: float) -> None:
+        if self._watch is not None:
+            self._watch.saw(value)
+
+    def _updated(self, scale: torch.Tensor) -> None:
+        if self._watch is not None:
+            self._watch.updated(scale)
+
+    def _nothing(self, device: torch.device) -> torch.Tensor:
+        # A new tensor each time: one kept and reused would alias the pending flag on the
+        # first compiled call, and torch.compile guards on aliasing (a recompile later).
+        return torch.full((), math.nan, dtype=torch.float32, device=device)
+
+    def _apply_pending(self) -> None:
+        """Apply an update handed over by :meth:`defer`, if there is one (eagerly, and in a
+        compiled read after ``scale()``, where nothing is pending: the guard on
+        ``_deferred`` then holds every step)."""
+        if self._deferred:
+            self._settle_masked()
+
+    def _settle_masked(self) -> None:
+        """Apply the update handed over by :meth:`defer` in place, branch-free: the transition
+        is masked by whether the kept flag is NaN (nothing pending), so a compiled ``scale()``
+        that runs it every step holds no Python decision that could change from step to step.
+        No host sync. A measuring policy's updates never wait for a read (its ``update()``
+        runs eagerly under ``torch.compile``): nothing to apply."""
+        live = self._live
+        policy = self._pending_policy
+        if live is None or (policy.measuring and not self._deferred):
+            return
+        found = self._pending[0]
+        for flag in self._pending[1:]:
+            found = found + flag
+        pending = ~torch.isnan(found)
+        old = live.scale.clone()
+        moved = policy.adjust(live.tensors, torch.where(pending, found, 0.0))
+        for tensor, value in zip(live.tensors, moved, strict=True):
+            if value is not tensor:
+                tensor.copy_(torch.where(pending, value, tensor))
+        live.counters.count_now(found, old)  # kept iterations would change a compiled guard
+        self._pending = (self._nothing(live.device),)
+        self._deferred = False
+
+    # ------------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies hold the values on the host; the device state is made again at the next
+        # scale(). A pending update is applied first (snapshot() settles).
+        return {"policy": self._policy, "host": self.snapshot(), "watch": self._watch is not None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["policy"], state["host"].scale)  # type: ignore[misc]
+        self._host = state["host"]
+        if state["watch"]:
+            self.watch_powers_of_two()

@@ -1,19 +1,9 @@
-"""Checking gradients for inf/NaN and unscaling them, and the fused optimizers' route.
+"""Checking gradients for inf/NaN and unscaling them.
 
 :func:`check_and_unscale_` runs torch's own kernel
 (``torch._amp_foreach_non_finite_check_and_unscale_``) once per device and dtype group, so the
-unscaled values are bit for bit torch's.
-
-:class:`FusedRoute` decides how a fused optimizer (``Adam(fused=True)``, which skips inside its
-kernel when handed ``found_inf``) is checked. torch's route checks the gradients by multiplying
-them by 1 and hands the kernel ``grad_scale``, which divides and writes every gradient a second
-time. When the scale is a power of two ``2**e`` with ``-126 <= e <= 127``, ``1/S`` is exact in
-float32, so ``grad * (1/S)`` rounds exactly as the kernel's ``grad / S`` would: the check pass
-(which writes every gradient anyway) unscales, and the kernel gets no ``grad_scale`` and reads
-the gradients without writing them back. That holds for torch's own fused Adam, AdamW, SGD and
-Adagrad (which divide by ``grad_scale`` and use it nowhere else) with float32/float64 gradients.
-Whether the scale is such a power of two is known on the host without reading it
-(:class:`~ampscaler.grads.pow2.Pow2Watch`).
+unscaled values are bit for bit torch's. How fused optimizers are checked and handed the flag
+is :mod:`ampscaler.grads.fused`'s.
 
 Example:
     >>> import torch
@@ -28,21 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from ..master import MasterWeightOptimizer
-from ..policy import Policy
 from .collect import GradGroups
-from .pow2 import Pow2Watch
 
-__all__ = ["FusedRoute", "check_and_unscale_", "combined_flag", "unscale_per_device_"]
-
-# torch's fused optimizers, whose kernels divide each gradient by ``grad_scale`` (when given)
-# in float32/float64 arithmetic before using it, and touch ``grad_scale`` nowhere else.
-_DIVIDING_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-
-# Gradient dtypes the fused kernels compute in as they are: unscaling one in the check pass
-# rounds exactly as the kernel's division would. (float16/bfloat16 would round to their
-# own precision in the check, where the kernel divides in float32.)
-_WIDE_FLOATS = frozenset((torch.float32, torch.float64))
+__all__ = ["check_and_unscale_", "combined_flag", "unscale_per_device_"]
 
 
 def unscale_per_device_(
@@ -87,64 +65,3 @@ def combined_flag(
             combined = flag if combined is None else combined + flag
     return combined
 
-
-class FusedRoute:
-    """How to check a fused optimizer's gradients, and what its kernel is handed.
-
-    Told about every host read or write of the scale (:meth:`saw`), every ``update()``
-    (:meth:`updated`) and policy change (:meth:`set_policy`), it answers :meth:`plan`.
-
-    Args:
-        policy: the policy in force.
-        scale: the live scale tensor.
-        value: its current value, as the host knows it.
-    """
-
-    def __init__(self, policy: Policy, scale: torch.Tensor, value: float) -> None:
-        self._scale = scale
-        self._watch = Pow2Watch(policy, scale.device)
-        self._watch.saw(value)
-
-    def set_policy(self, policy: Policy) -> None:
-        """The policy changed (a setter, a loaded checkpoint)."""
-        self._watch.set_policy(policy)
-
-    def saw(self, value: float) -> None:
-        """The host read or set the scale: it is ``value`` now."""
-        self._watch.saw(value)
-
-    def updated(self) -> None:
-        """One ``update()`` moved the scale by the policy.
-
-        Under ``torch.compile`` the watch forgets what it knew instead of counting updates
-        (a Python count in a compiled graph would be guarded on, recompiling every step); the
-        next eager :meth:`plan` renews it from a copy of the scale (on the CPU at once; on
-        CUDA once a non-blocking copy has landed, torch's route until then).
-        """
-        if torch.compiler.is_compiling():
-            self._watch.forget(self._scale)
-        else:
-            self._watch.updated(self._scale)
-
-    def plan(
-        self, optimizer: torch.optim.Optimizer, groups: GradGroups
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(multiplier, grad_scale)``: what the check multiplies ``optimizer``'s gradients
-        by, and the ``grad_scale`` its kernel gets (``None``: the check unscaled them)."""
-        if (
-            not hasattr(optimizer, "grad_scale")
-            and self._watch.exact
-            and _kernel_divides(optimizer)
-            and all(dtype in _WIDE_FLOATS for per_dtype in groups.values() for dtype in per_dtype)
-        ):
-            # 1/scale is exact in float32 here: no need to form it in float64 first.
-            return self._scale.reciprocal(), None
-        ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
-        return ones, self._scale * getattr(optimizer, "grad_scale", 1)
-
-
-def _kernel_divides(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is one of torch's fused optimizers (possibly wrapped by
-    :class:`~ampscaler.MasterWeightOptimizer`)."""
-    stepping = optimizer.inner if isinstance(optimizer, MasterWeightOptimizer) else optimizer
-    return type(stepping) in _DIVIDING_FUSED

@@ -19,7 +19,8 @@ it (on CUDA: into pinned memory, with an event it polls; on the CPU the value is
 renews the bound from that copy once it has landed. So no update ever waits for the device.
 
 The watch assumes the scale changes only through the scaler's methods. Anything it cannot vouch
-for (a policy with other factors, a scale set to a value that is not a power of two, a device
+for (a policy that may leave the powers of two, see :attr:`Policy.power_of_two
+<ampscaler.Policy.power_of_two>`; a scale set to a value that is not a power of two; a device
 other than the CPU or CUDA) makes it answer ``False``, and the fused path then checks and
 unscales exactly as torch does.
 
@@ -27,7 +28,8 @@ Example:
     >>> import torch
     >>> from ampscaler.policy import ScalePolicy
     >>> from ampscaler.grads.pow2 import Pow2Watch
-    >>> watch = Pow2Watch(ScalePolicy(), torch.device("cpu"))
+    >>> watch = Pow2Watch(ScalePolicy().power_of_two)
+    >>> watch.use_device(torch.device("cpu"))
     >>> watch.saw(65536.0)
     >>> watch.exact
     True
@@ -41,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..hostcopy import HostCopy
-from ..policy import HeadroomPolicy, Policy, StaticPolicy, float32_value, pow2_exponent
+from ..policy.base import PowerOfTwo, pow2_exponent
 
 __all__ = ["Pow2Watch", "pow2_exponent"]
 
@@ -55,12 +57,12 @@ class Pow2Watch:
     """Whether the scale is known to be a power of two with an exact float32 reciprocal.
 
     Args:
-        policy: the scale policy in force (see :meth:`set_policy` for changes).
-        device: the scale's device.
+        rule: how the policy in force keeps powers of two (its ``power_of_two``; see
+            :meth:`set_policy` for changes). Nothing is known until :meth:`use_device`.
     """
 
-    def __init__(self, policy: Policy, device: torch.device) -> None:
-        self._device_ok = device.type in ("cpu", "cuda")
+    def __init__(self, rule: PowerOfTwo | None) -> None:
+        self._device_ok = False
         self._updates = 0
         # A lower bound on the scale's exponent as of update number _known_at (None: the
         # scale is not known to be a power of two).
@@ -70,14 +72,17 @@ class Pow2Watch:
         self._forgotten: torch.Tensor | None = None  # the scale, to copy once it is read again
         self._drop: int | None = None
         self._floor: int | None = None
-        self.set_policy(policy)
+        self.set_policy(rule)
 
-    def set_policy(self, policy: Policy) -> None:
-        """Use ``policy`` for the updates from now on."""
+    def use_device(self, device: torch.device) -> None:
+        """The scale lives on ``device`` (the watch vouches for the CPU and CUDA only)."""
+        self._device_ok = device.type in ("cpu", "cuda")
+
+    def set_policy(self, rule: PowerOfTwo | None) -> None:
+        """Use the policy whose ``power_of_two`` is ``rule`` for the updates from now on."""
         self._renew_from_bound()
-        self._drop = _exponent_drop(policy)
-        low = None if isinstance(policy, StaticPolicy) else policy.min_scale
-        self._floor = pow2_exponent(None if low is None else float32_value(low))
+        self._drop = None if rule is None else rule.drop
+        self._floor = None if rule is None else rule.floor
         if self._drop is None:
             self._known = None
 
@@ -138,20 +143,3 @@ class Pow2Watch:
         self._known_at = self._updates
         self._pending = None
 
-
-def _exponent_drop(policy: Policy) -> int | None:
-    """How far the scale's exponent can fall per ``update()`` under ``policy`` (0 for a static
-    scale), or ``None`` when the policy can turn a power of two into something else."""
-    if isinstance(policy, StaticPolicy):
-        return 0
-    if isinstance(policy, HeadroomPolicy):
-        # Every scale it sets is 2**e with e within its bounds, which float32's normal range
-        # holds (checked on construction): exact after any number of updates.
-        return 0
-    bounds = [b for b in (policy.min_scale, policy.max_scale) if b is not None]
-    if pow2_exponent(policy.growth_factor) is None or any(
-        pow2_exponent(float32_value(b)) is None for b in bounds
-    ):
-        return None
-    backoff = pow2_exponent(policy.backoff_factor)
-    return None if backoff is None else -backoff

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,7 +44,10 @@ from ..errors import InvalidConfigError
 from ..hostcopy import HostCopy
 from .localize import OverflowReport
 
-__all__ = ["CollapseAlert", "CollapseWatch", "OverflowTally"]
+if TYPE_CHECKING:
+    from ..state import StepCounters
+
+__all__ = ["CollapseAlert", "CollapseWatch", "OverflowTally", "snapshot_of"]
 
 logger = logging.getLogger("ampscaler")
 
@@ -178,15 +182,15 @@ class CollapseWatch:
         tally: OverflowTally,
         callbacks: list[Callable[[CollapseAlert], Any]],
     ) -> None:
-        """At the end of a window, start copying ``snapshot()`` (the steps and skipped
-        counters and the scale, as one tensor) to the host; judge a copy once it has landed
-        (never waits)."""
+        """At the end of a window, start copying ``snapshot()`` (:func:`snapshot_of`) to the
+        host; judge a copy once it has landed (never waits)."""
         if self._pending is None:
             self._pending = HostCopy(snapshot(), self._updates)
         pending = self._pending
         if pending.landed():
             self._pending = None
-            steps, skipped, scale = pending.tolist()
+            steps, skipped, bits = pending.tolist()
+            scale = struct.unpack("<f", struct.pack("<i", bits))[0]
             self._judge(steps, skipped, scale, tally, callbacks)
 
     def _judge(
@@ -251,3 +255,10 @@ def _number(value: object) -> bool:
         and isinstance(value, (int, float))
         and math.isfinite(value)
     )
+
+
+def snapshot_of(counters: StepCounters, scale: torch.Tensor) -> torch.Tensor:
+    """What :meth:`CollapseWatch.look` copies: the steps and skipped counters and the float32
+    scale's bits, as one int64 tensor (exact, and no float64 on the device). No host sync."""
+    bits = scale.reshape(1).view(torch.int32).to(torch.int64)
+    return torch.cat([counters.values[:2], bits])

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from ..grads.collect import grad_views
-from .taps import GradTaps
+from ..taps import GradTaps
 
 __all__ = [
     "LOSS_ORIGIN",

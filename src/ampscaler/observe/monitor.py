@@ -1,14 +1,15 @@
-"""The scaler's observer: overflow bookkeeping per iteration, and records for whoever listens.
+"""The scaler's observers: overflow reports, and records for whoever listens.
 
 :class:`Monitor` is what :class:`~ampscaler.GradScaler` tells about each step and update. It
+reads the scaler's :class:`~ampscaler.iteration.Iteration` (the per-optimizer records, the
+losses, the outcome) and never changes the step. It
 
 * keeps, per iteration, the overflow reports of optimizers that skipped (localized at once on
   the plain path, where ``step()`` already read the inf flag) and the inf flags of fused
   optimizers (localized only when somebody asks, since reading them is a host sync);
 * drives what is attached to it: a :class:`~ampscaler.GradientProbe` measures on its
   iterations, a :class:`~ampscaler.NonFiniteTracer` names the module an overflow came from,
-  the :class:`~ampscaler.headroom.HeadroomMeter` of a :class:`~ampscaler.HeadroomPolicy`
-  measures what the policy sets the scale from;
+  the :class:`~ampscaler.CollapseWatch` looks at the counters every so many updates;
 * at ``update()``, when anything consumes records (a sink, :class:`~ampscaler.StepHistory`
   included, or an event callback), reads the iteration's outcome from the device in one host
   sync and hands a :class:`~ampscaler.StepRecord` to the sinks, in the order they were added,
@@ -19,9 +20,7 @@ and never waits for the device.
 
 The scaler's calls, in the order of one iteration: :meth:`~Monitor.before_check` and
 :meth:`~Monitor.note_step` per optimizer, then :meth:`~Monitor.after_update`, once the counters
-have counted the iteration. The scale tensor they are given is the live one, which
-``update()`` changes in place; nothing here reads it after the update except through the
-``old_scale`` copy.
+have counted the iteration.
 """
 
 from __future__ import annotations
@@ -35,44 +34,44 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from ..errors import InvalidConfigError
+from ..hostcopy import read_values
+from ..taps import WatchedModels
 from . import localize
-from .collapse import CollapseAlert, CollapseWatch, OverflowTally
+from .collapse import CollapseAlert, CollapseWatch, OverflowTally, snapshot_of
 from .localize import NonFiniteTracer, OverflowReport, ParamNames, TraceEvent, merge_reports
 from .probe import GradientProbe, PendingProbe
 from .records import StepRecord
 from .sinks import Sink, StepHistory
-from .taps import WatchedModels
 
 if TYPE_CHECKING:
-    from ..headroom import HeadroomMeter
+    from ..iteration import Iteration
     from ..state import StepCounters
 
-__all__ = ["EVENTS", "Attachable", "Callback", "Monitor"]
+__all__ = ["EVENTS", "Attachable", "Callback", "CollapseCallback", "Monitor", "RecordCallback"]
 
 EVENTS = ("step", "overflow", "backoff", "growth", "collapse")
 #: Events whose callbacks take a StepRecord (the others: "collapse", a CollapseAlert).
 RECORD_EVENTS = EVENTS[:4]
 
-Callback = Callable[[StepRecord], Any] | Callable[[CollapseAlert], Any]
+RecordCallback = Callable[[StepRecord], Any]
+"""What :meth:`Monitor.on` calls with each matching record."""
+
+CollapseCallback = Callable[[CollapseAlert], Any]
+"""What :meth:`Monitor.on` calls with a collapse alert (event ``"collapse"``)."""
+
+Callback = RecordCallback | CollapseCallback
 """What :meth:`Monitor.on` calls: with each matching record, or with a collapse alert."""
 
 Attachable: TypeAlias = GradientProbe | NonFiniteTracer | CollapseWatch
 """What :meth:`Monitor.attach` takes: one probe and one tracer at most; a collapse watch
 replaces the one in place."""
 
-#: Losses kept per iteration before they are summed into one (a long accumulation).
-_KEEP_LOSSES = 16
-
 
 @dataclass
-class _Iteration:
-    """What one iteration noted about overflow."""
+class _Observed:
+    """What the observers derived from one iteration of the scaler."""
 
-    started: bool = False
-    # The losses given to scale() (detached; the values are read only on skipped steps).
-    losses: list[torch.Tensor] = field(default_factory=list)
-    # The live scale while the iteration runs; from after_update on, the copy taken before it.
-    scale: torch.Tensor | None = None
+    iteration: Iteration | None = None
     reports: list[OverflowReport] = field(default_factory=list)
     # Fused optimizers and their inf flags on the device, read only on demand.
     fused: list[tuple[torch.optim.Optimizer, torch.Tensor]] = field(default_factory=list)
@@ -98,12 +97,11 @@ class Monitor:
         self._record_callbacks = 0  # how many are registered in _callbacks
         self._probe: GradientProbe | None = None
         self._tracer: NonFiniteTracer | None = None
-        self.meter: HeadroomMeter | None = None
         self.collapse = CollapseWatch()
         self.tally = OverflowTally()
         self._models = WatchedModels()
-        self._current = _Iteration()
-        self._finished = _Iteration()
+        self._current = _Observed()
+        self._finished = _Observed()
 
     # ------------------------------------------------------------------ configuration
 
@@ -118,19 +116,9 @@ class Monitor:
         if not self._enabled:
             return
         self._models.add(model, prefix)
-        for observer in (self._probe, self._tracer, self.meter):
+        for observer in (self._probe, self._tracer):
             if observer is not None:
                 observer.watch(model, prefix)
-
-    def set_meter(self, meter: HeadroomMeter | None) -> None:
-        """Measure for a :class:`~ampscaler.HeadroomPolicy` with ``meter`` (``None``: stop),
-        on the models watched so far and from now on."""
-        if self.meter is not None:
-            self.meter.detach()
-        self.meter = meter
-        if meter is not None and self._enabled:
-            for model, prefix in self._models:
-                meter.watch(model, prefix)
 
     def attach(self, observer: Attachable) -> None:
         """Attach a probe or a tracer (one of each), which taps the models watched so far and
@@ -220,35 +208,17 @@ class Monitor:
 
     # ------------------------------------------------------------------ the scaler's calls
 
-    def note_loss(self, loss: torch.Tensor) -> None:
-        """Keep a loss given to ``scale()`` (no device work). Not to be called under
-        ``torch.compile``, where keeping it would change a compiled guard every iteration."""
-        if self.meter is not None:
-            self.meter.start()
-        losses = self._current.losses
-        losses.append(loss.detach())
-        if len(losses) > _KEEP_LOSSES:
-            losses[:] = [_loss_sum(losses)]
-
-    def loss(self) -> torch.Tensor | None:
-        """The sum of the iteration's losses so far, unscaled (on the device; ``None`` when
-        ``scale()`` kept none)."""
-        losses = self._current.losses
-        return _loss_sum(losses) if losses else None
-
     def before_check(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
-        """Called with the scaled gradients, before they are checked; probes and measures
-        when due."""
+        """Called with the scaled gradients, before they are checked; the probe measures when
+        due."""
         if self._probe is not None:
             self._probe.measure(optimizer, scale)
-        if self.meter is not None:
-            self.meter.measure(optimizer)
 
     def note_step(
         self,
+        iteration: Iteration,
         optimizer: torch.optim.Optimizer,
         found_inf: bool | torch.Tensor,
-        scale: torch.Tensor,
         counters: StepCounters | None,
         ranks: tuple[int, ...] = (),
     ) -> None:
@@ -259,69 +229,58 @@ class Monitor:
         ranks of a process group skipped together. A flag is read when the overflow is asked
         for, up to the end of the next iteration: it must not change before then.
         """
-        current = self._current
-        current.started = True
-        current.scale = scale
+        observed = self._observe(iteration)
         if isinstance(found_inf, torch.Tensor):
-            current.fused.append((optimizer, found_inf))
+            observed.fused.append((optimizer, found_inf))
         elif found_inf:
             step = 0 if counters is None else int(counters.steps.item())
             events = None if self._tracer is None else self._tracer.events
-            report = self._localize([optimizer], step, float(scale.item()), events, current)
+            scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
+            report = self._localize([optimizer], step, scale, events, iteration)
             report = dataclasses.replace(report, ranks=ranks)
-            current.reports.append(report)
+            observed.reports.append(report)
             self.tally.add(report)
 
-    def after_update(
-        self,
-        found_inf: torch.Tensor,
-        old_scale: torch.Tensor,
-        new_scale: torch.Tensor,
-        counters: StepCounters,
-        spiked: torch.Tensor | None = None,
-    ) -> None:
+    def after_update(self, iteration: Iteration, counters: StepCounters) -> None:
         """End the iteration: emit its record if anything consumes records; move the probe
         and the collapse watch on.
 
-        ``old_scale`` is a copy of the scale from before the update, kept by the iteration;
-        ``new_scale`` (the live scale) is read only here; ``counters`` have counted the
-        iteration already; ``spiked`` is > 0 when a guard skipped it (``None``: no guard).
+        ``iteration`` holds its outcome (``found_inf``, ``spiked``, the scale it ran at as a
+        copy, and the live ``new_scale``, read only here); ``counters`` have counted it.
         """
-        current = self._current
-        current.scale = old_scale
+        observed = self._observe(iteration)
         pending = None if self._probe is None else self._probe.end_iteration()
         if self._tracer is not None:
-            current.trace = self._tracer.take()
+            observed.trace = self._tracer.take()
         if self.consuming:
-            self._emit(found_inf, spiked, old_scale, new_scale, counters, pending)
-        self._finished, self._current = current, _Iteration()
+            self._emit(iteration, counters, pending)
+        self._finished, self._current = observed, _Observed()
         if not torch.compiler.is_compiling() and self.collapse.due():
+            new_scale = iteration.new_scale
+            assert new_scale is not None  # set by update()
             self.collapse.look(
-                lambda: torch.stack(
-                    [counters.steps.double(), counters.skipped.double(), new_scale.double()]
-                ),
-                self.tally,
-                self._collapse_callbacks,
+                lambda: snapshot_of(counters, new_scale), self.tally, self._collapse_callbacks
             )
 
+    def _observe(self, iteration: Iteration) -> _Observed:
+        current = self._current
+        if current.iteration is not iteration:
+            current = self._current = _Observed(iteration)
+        return current
+
     def _emit(
-        self,
-        found_inf: torch.Tensor,
-        spiked: torch.Tensor | None,
-        old_scale: torch.Tensor,
-        new_scale: torch.Tensor,
-        counters: StepCounters,
-        pending: PendingProbe | None,
+        self, iteration: Iteration, counters: StepCounters, pending: PendingProbe | None
     ) -> None:
-        device = old_scale.device
-        spike = torch.zeros_like(found_inf) if spiked is None else spiked
-        outcome = [found_inf, spike, old_scale, new_scale, counters.steps]
-        packed = torch.stack([t.to(device, torch.float64) for t in outcome])
+        found_inf, old_scale, new_scale = iteration.found_inf, iteration.scale, iteration.new_scale
+        assert found_inf is not None and old_scale is not None and new_scale is not None
+        spike = torch.zeros_like(found_inf) if iteration.spiked is None else iteration.spiked
+        outcome = [found_inf, spike.to(found_inf.dtype), old_scale, new_scale]
+        tensors = [torch.stack([t.to(old_scale.device) for t in outcome]), counters.steps]
         if pending is not None:
-            packed = torch.cat([packed, pending.values.to(device)])
-        values = packed.tolist()  # the one host sync
-        found, spike_flag, old, new, steps = values[:5]
-        step = int(steps) - 1
+            tensors.append(pending.values.to(old_scale.device))
+        read = read_values(tensors)  # the one host sync
+        found, spike_flag, old, new = read[0]
+        step = int(read[1]) - 1
         skipped = found > 0
         record = StepRecord(
             step=step,
@@ -330,7 +289,7 @@ class Monitor:
             skipped=skipped,
             time=time.time(),
             overflow=self._resolve(self._current, lambda: step) if skipped else None,
-            probe=None if pending is None else pending.finish(values[5:], old),
+            probe=None if pending is None else pending.finish(read[2], old),
             spike=not skipped and spike_flag > 0,
         )
         for sink in self._sinks:
@@ -354,7 +313,7 @@ class Monitor:
         step: int,
         scale: float,
         events: list[TraceEvent] | None,
-        iteration: _Iteration,
+        iteration: Iteration | None,
     ) -> OverflowReport:
         origin = None if events is None else NonFiniteTracer.origin(events)
         return localize.locate_overflow(
@@ -363,40 +322,44 @@ class Monitor:
             step=step,
             scale=scale,
             origin=origin,
-            cause=_cause(iteration.losses),
+            cause=None if iteration is None else _cause(iteration.losses),
         )
 
-    def _resolve(self, iteration: _Iteration, step: Callable[[], int]) -> OverflowReport | None:
-        if iteration.resolved:
-            return iteration.report
-        reports = list(iteration.reports)
-        overflowed = [opt for opt, flag in iteration.fused if bool(flag.item())]
-        if overflowed and iteration.scale is not None:
-            events = iteration.trace
+    def _resolve(self, observed: _Observed, step: Callable[[], int]) -> OverflowReport | None:
+        if observed.resolved:
+            return observed.report
+        reports = list(observed.reports)
+        overflowed = [opt for opt, flag in observed.fused if bool(flag.item())]
+        iteration = observed.iteration
+        if overflowed and iteration is not None and iteration.scale is not None:
+            events = observed.trace
             if events is None and self._tracer is not None:
                 events = self._tracer.events
             scale = float(iteration.scale.item())
             report = self._localize(overflowed, step(), scale, events, iteration)
             reports.append(report)
             self.tally.add(report)
-        iteration.report = merge_reports(reports) if reports else None
-        iteration.resolved = True
-        return iteration.report
+        observed.report = merge_reports(reports) if reports else None
+        observed.resolved = True
+        return observed.report
 
-    def last_overflow(self, counters: StepCounters | None) -> OverflowReport | None:
-        """The overflow of the iteration in progress if it stepped, else of the last one.
+    def last_overflow(
+        self, current: Iteration, counters: StepCounters | None
+    ) -> OverflowReport | None:
+        """The overflow of the iteration in progress (``current``) if it stepped, else of the
+        last one.
 
         On the fused path the first read is a host sync (it reads the inf flags) and localizes
         then: read it before ``optimizer.zero_grad()``.
         """
-        current = self._current.started
-        iteration = self._current if current else self._finished
+        in_progress = current.stepped
+        observed = self._observe(current) if in_progress else self._finished
 
         def step() -> int:
             done = 0 if counters is None else int(counters.steps.item())
-            return done if current else done - 1
+            return done if in_progress else done - 1
 
-        return self._resolve(iteration, step)
+        return self._resolve(observed, step)
 
     # ------------------------------------------------------------------ copies
 
@@ -419,17 +382,10 @@ class Monitor:
             self.attach(observer)
 
 
-def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:
-    """The losses summed into one float32 value, on the first one's device."""
-    device = losses[0].device
-    if len(losses) == 1:
-        return losses[0].to(torch.float32).sum()
-    return torch.stack([loss.to(device, torch.float32).sum() for loss in losses]).sum()
-
 
 def _cause(losses: list[torch.Tensor]) -> str | None:
-    """``"loss"`` if any of ``losses`` holds inf/NaN, else ``"gradients"`` (``None``: no loss
-    was kept). One host sync; called on skipped steps only."""
+    """``"loss"`` if any of ``losses`` holds inf/NaN (lowering the scale cannot help), else
+    ``"gradients"`` (``None``: no loss was kept). One host sync; called on skipped steps only."""
     if not losses:
         return None
     device = losses[0].device

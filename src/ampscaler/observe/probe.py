@@ -64,7 +64,7 @@ import torch
 
 from ..errors import InvalidConfigError
 from ..grads.collect import grad_views
-from .taps import GradTaps, WatchedModels
+from ..taps import GradTaps, WatchedModels
 
 __all__ = [
     "FP16_MAX",

@@ -56,12 +56,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import InvalidConfigError
-from .grads.collect import grad_views
-from .observe.taps import GradTaps, WatchedModels, leaf_modules
-from .policy import HeadroomPolicy
+from ..errors import InvalidConfigError
+from ..grads.collect import grad_views
+from ..taps import GradTaps, WatchedModels, leaf_modules
+from .headroom import HeadroomPolicy
 
-__all__ = ["NOT_MEASURED", "HeadroomMeter", "check_alone"]
+__all__ = ["NOT_MEASURED", "HeadroomMeter"]
 
 NOT_MEASURED = -1.0
 """The measurement of an iteration that measured nothing (any value ``< 0`` means that)."""
@@ -77,11 +77,15 @@ class HeadroomMeter:
     Args:
         policy: the policy whose schedule it follows.
         iteration: the policy's iteration count to start from (a resumed run's).
+        agreed: whether the scaler agrees on the measurements across ranks (its
+            ``process_group``); without, measuring on one rank of several is refused at the
+            first measurement.
     """
 
-    def __init__(self, policy: HeadroomPolicy, iteration: int = 0) -> None:
+    def __init__(self, policy: HeadroomPolicy, iteration: int = 0, *, agreed: bool = False) -> None:
         self._policy = policy
         self._iteration = iteration
+        self._agreed = agreed
         self._models = WatchedModels()
         self._taps = GradTaps(self._tap)
         self._owners: dict[int, str] = {}  # id(parameter) -> its watched leaf module
@@ -175,6 +179,9 @@ class HeadroomMeter:
         if not self.due:  # nothing was collected: the hooks are off, measure() returned
             self._started = False
             return None
+        if not self._agreed:
+            _check_alone()
+            self._agreed = True  # checked once: the world does not change size
         seen = self._seen
         self._reset()
         if not seen:
@@ -200,16 +207,18 @@ class HeadroomMeter:
 
     def __getstate__(self) -> dict[str, Any]:
         # Hooks and watched models belong to this process: a copy is watched anew.
-        return {"policy": self._policy, "iteration": self._iteration}
+        return {"policy": self._policy, "iteration": self._iteration, "agreed": self._agreed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["policy"], state["iteration"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["policy"], state["iteration"], agreed=state["agreed"]
+        )
 
     def __repr__(self) -> str:
         return f"HeadroomMeter({self._policy}, iteration={self._iteration})"
 
 
-def check_alone() -> None:
+def _check_alone() -> None:
     """Refuse to measure on one rank of several without a group to agree over.
 
     Ranks measure different gradients (their own batches, their own shards), so each would set

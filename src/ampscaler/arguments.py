@@ -1,0 +1,104 @@
+"""The scaler's arguments, validated: what each value means, as torch's scaler reads it.
+
+Example:
+    >>> device_and_enabled("cpu", 1)
+    ('cpu', True)
+    >>> check_skip_limit(50), check_switch("flat_grads", False)
+    (50, False)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .errors import InvalidConfigError
+from .policy import Policy, float32_value
+from .policy.base import require_int
+
+__all__ = ["check_skip_limit", "check_switch", "device_and_enabled", "new_scale_value"]
+
+
+def _device_type(device: object) -> str | None:
+    if device is None or isinstance(device, torch.device):
+        return None if device is None else device.type
+    if not isinstance(device, str):
+        raise InvalidConfigError(
+            f"device must be a device type string such as 'cpu' or 'cuda', a torch.device, or "
+            f"None, got {device!r}."
+        )
+    try:
+        return torch.device(device).type
+    except RuntimeError as error:
+        raise InvalidConfigError(
+            f"device {device!r} is not a torch device type; use 'cpu', 'cuda', 'mps', 'xpu', ... "
+            "or None for the device of the first scaled tensor."
+        ) from error
+
+
+def device_and_enabled(device: object, enabled: object) -> tuple[str | None, bool]:
+    """The device type (``None``: the first scaled tensor's) and whether the scaler is on.
+
+    Like torch, ``"cuda"`` on a machine without CUDA warns and disables the scaler, and
+    ``enabled`` takes any truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
+
+    Raises:
+        InvalidConfigError: ``device`` is not a device.
+    """
+    enabled = bool(enabled)
+    device_type = _device_type(device)
+    if enabled and device_type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(
+            "ampscaler.GradScaler is enabled for 'cuda', but CUDA is not available. Disabling "
+            "(as torch.amp.GradScaler does); pass device='cpu' or None to scale on the CPU.",
+            stacklevel=3,
+        )
+        return device_type, False
+    return device_type, enabled
+
+
+def check_skip_limit(limit: object) -> int | None:
+    """``max_consecutive_skips``: an int >= 1, or ``None`` for no limit.
+
+    Raises:
+        InvalidConfigError: anything else.
+    """
+    if limit is None:
+        return None
+    try:
+        return require_int("max_consecutive_skips", limit, 1)
+    except InvalidConfigError:
+        raise InvalidConfigError(
+            f"max_consecutive_skips must be an int >= 1 or None, got {limit!r}."
+        ) from None
+
+
+def check_switch(name: str, value: object) -> bool:
+    """An on/off setting: ``True`` or ``False``.
+
+    Raises:
+        InvalidConfigError: anything else (a typo such as ``flat_grads="yes"`` must not pass
+            as true).
+    """
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def new_scale_value(new_scale: float | torch.Tensor, policy: Policy) -> float:
+    """``update(new_scale)``'s argument, validated for ``policy``, as the float32 value the scale
+    will hold. Like torch, a one-element tensor is accepted (and read: a host sync).
+
+    Raises:
+        InvalidConfigError: not one element, requires grad, or out of the policy's range.
+    """
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise InvalidConfigError(
+                "new_scale should be a float or a 1-element tensor with requires_grad=False, "
+                f"got a tensor of shape {list(new_scale.shape)} with "
+                f"requires_grad={new_scale.requires_grad}."
+            )
+        new_scale = float(new_scale.item())
+    return float32_value(policy.check_scale("new_scale", new_scale))

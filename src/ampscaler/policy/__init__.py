@@ -1,0 +1,143 @@
+"""How the loss scale moves: the :class:`Policy` protocol and the built-in policies.
+
+- :mod:`~ampscaler.policy.base`: the protocol (what the scaler needs of a policy), and writing a
+  policy of one's own;
+- :mod:`~ampscaler.policy.scale`: :class:`ScalePolicy` (torch's rule, with hysteresis and
+  bounds) and :class:`StaticPolicy`;
+- :mod:`~ampscaler.policy.headroom`: :class:`HeadroomPolicy` (the scale set from measured
+  gradient magnitudes), and :mod:`~ampscaler.policy.meter`, which measures for it.
+
+This module also turns a :class:`~ampscaler.GradScaler`'s arguments into a policy
+(:func:`policy_from_arguments`), and a state dict back into one (:func:`policy_from_state_dict`):
+the only places that know the built-in policies by name.
+
+Example:
+    >>> import torch
+    >>> policy = ScalePolicy(growth_interval=2, hysteresis=2)
+    >>> state = policy.initial_state(1024.0, torch.device("cpu"))
+    >>> policy.update_(state, torch.tensor(1.0))   # first overflow: budget absorbs it
+    >>> policy.update_(state, torch.tensor(1.0))   # second overflow: back off
+    >>> state.scale.item(), int(state.hysteresis_left)
+    (512.0, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from ..errors import InvalidConfigError
+from .base import (
+    FP16_MAX,
+    LOWEST_SCALE,
+    BasicState,
+    Meter,
+    Policy,
+    PolicyState,
+    PowerOfTwo,
+    TorchRule,
+    check_scale,
+    float32_value,
+    pow2_exponent,
+)
+from .headroom import HeadroomPolicy, HeadroomState
+from .scale import ScalePolicy, ScaleState, StaticPolicy
+
+__all__ = [
+    "FP16_MAX",
+    "LOWEST_SCALE",
+    "BasicState",
+    "HeadroomPolicy",
+    "HeadroomState",
+    "Meter",
+    "Policy",
+    "PolicyState",
+    "PowerOfTwo",
+    "ScalePolicy",
+    "ScaleState",
+    "StaticPolicy",
+    "TorchRule",
+    "check_scale",
+    "float32_value",
+    "policy_from_arguments",
+    "policy_from_state_dict",
+    "pow2_exponent",
+]
+
+#: The built-in policies, by the name checkpoints know them by (a user's own policy is known
+#: by the scaler that holds it).
+BUILT_IN: dict[str, Policy] = {
+    "ScalePolicy": ScalePolicy(),
+    "StaticPolicy": StaticPolicy(),
+    "HeadroomPolicy": HeadroomPolicy(),
+}
+
+_RULE_DEFAULTS = {rule.name: rule.default for rule in fields(ScalePolicy)}
+
+
+def policy_from_arguments(policy: object, rule: Mapping[str, Any]) -> Policy:
+    """The policy a :class:`~ampscaler.GradScaler` call asks for: ``policy=``, or else
+    :class:`ScalePolicy` built from the shorthands ``rule`` (its fields, as given).
+
+    Raises:
+        InvalidConfigError: ``policy`` is not a :class:`Policy`, or is given together with
+            shorthands that differ from their defaults; a shorthand out of range.
+    """
+    changed = [name for name, value in rule.items() if value != _RULE_DEFAULTS[name]]
+    if policy is None:
+        return ScalePolicy(**rule)
+    if not isinstance(policy, Policy):
+        raise InvalidConfigError(
+            "policy must be an ampscaler.ScalePolicy or ampscaler.StaticPolicy, an "
+            "ampscaler.HeadroomPolicy, or an object of your own subclass of ampscaler.Policy, "
+            f"got {type(policy).__name__}."
+        )
+    if changed:
+        raise InvalidConfigError(
+            f"Pass either policy= or the policy's keyword arguments, not both: got "
+            f"policy={policy} and {', '.join(changed)}. Put them into the policy."
+        )
+    return policy
+
+
+def _legacy_kind(saved: Mapping[str, Any]) -> str | None:
+    """The kind of policy a state dict without a ``policy`` key was saved with (ampscaler
+    0.1.0's, which knew three); ``None`` for torch's own dict."""
+    if "headroom" in saved:
+        return "HeadroomPolicy"
+    if "dynamic" not in saved:
+        return None
+    dynamic = saved["dynamic"]
+    if not isinstance(dynamic, bool):
+        raise InvalidConfigError(f"dynamic must be True or False, got {dynamic!r}.")
+    return "ScalePolicy" if dynamic else "StaticPolicy"
+
+
+def policy_from_state_dict(
+    saved: Mapping[str, Any], current: Policy
+) -> tuple[Policy, dict[str, Any]]:
+    """The policy a state dict restores, and its own state values (validated), for a scaler
+    that holds ``current``.
+
+    A dict names its policy under ``policy``; older ampscaler dicts are recognized by their
+    keys. A policy of the same kind as ``current`` is restored through ``current`` (so a user's
+    own policy restores), a built-in one through a default instance; torch's own dict leaves
+    ``current`` as it is, with torch's rule numbers where it has them.
+
+    Raises:
+        InvalidConfigError: a policy this scaler cannot restore, or invalid values.
+    """
+    kind = saved.get("policy", _legacy_kind(saved))
+    if kind is None:
+        return current.from_torch_dict(saved), {}
+    if not isinstance(kind, str):
+        raise InvalidConfigError(f"policy must be the name of a policy, got {kind!r}.")
+    prototype = current if kind == current.kind else BUILT_IN.get(kind)
+    if prototype is None:
+        raise InvalidConfigError(
+            f"the checkpoint was saved by a scaler with policy {kind!r}, which this scaler "
+            f"(policy {current.kind!r}) cannot make: construct the scaler with a {kind} before "
+            "loading it."
+        )
+    return prototype.from_checkpoint(saved)

@@ -1,0 +1,438 @@
+"""The policy protocol: everything a :class:`~ampscaler.GradScaler` needs of a policy.
+
+A policy is a small immutable value that says how the loss scale moves. The scaler keeps the
+policy's moving parts (its *state*: 0-dim tensors on the device, updated in place) and calls the
+policy once per iteration with the iteration's inf/NaN flag. It never asks which policy it
+holds: whatever differs between policies goes through the methods of :class:`Policy`, and a
+policy written in a user's own file trains, checkpoints, resumes and agrees across ranks like
+the built-in ones.
+
+What a policy provides, and where the scaler uses it:
+
+============================  ===============================================================
+:meth:`~Policy.update_`       ``update()``: the transition, in place, on the device (required)
+:meth:`~Policy.initial_state` the state tensors, fresh or from saved values
+:meth:`~Policy.adjust`        the pure transition (a compiled ``update()`` applies it masked)
+:meth:`~Policy.check_scale`   validating ``init_scale``, ``update(new_scale)``, loaded scales
+:meth:`~Policy.set_scale_`    ``update(new_scale)``
+:attr:`~Policy.power_of_two`  whether the scale stays a power of two (exact unscaling)
+:meth:`~Policy.new_meter`     what it needs measured, and how often
+:meth:`~Policy.torch_rule`    torch's getters and checkpoint keys (``growth_factor``, ...)
+:meth:`~Policy.config`        its settings: saved in checkpoints, compared across ranks
+============================  ===============================================================
+
+Writing one takes a frozen dataclass and :meth:`~Policy.update_`, written with ``torch.where``
+so that it never waits for the device::
+
+    >>> import dataclasses, torch
+    >>> from ampscaler import GradScaler
+    >>> from ampscaler.policy import Policy, PolicyState
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class HalveOrDouble(Policy):
+    ...     '''Halve on overflow, double after `interval` clean steps.'''
+    ...     interval: int = 100
+    ...     def update_(self, state: PolicyState, found_inf: torch.Tensor,
+    ...                 measured: torch.Tensor | None = None) -> None:
+    ...         clean = torch.where(found_inf > 0, 0, state.growth_tracker + 1)
+    ...         grow = clean >= self.interval
+    ...         factor = torch.where(found_inf > 0, 0.5, torch.where(grow, 2.0, 1.0))
+    ...         state.scale.mul_(factor)
+    ...         state.growth_tracker.copy_(torch.where(grow, 0, clean))
+    >>> scaler = GradScaler("cpu", init_scale=1024.0, policy=HalveOrDouble(interval=2))
+    >>> scaler.policy, scaler.state_dict()["policy"], scaler.state_dict()["policy_state"]
+    (HalveOrDouble(interval=2), 'HalveOrDouble', {'interval': 2})
+
+Its state is ``scale`` (float32) and ``growth_tracker`` (int32), the two tensors torch's scaler
+has; a policy with more moving parts declares a :class:`~typing.NamedTuple` of tensors that
+starts with those two and overrides :meth:`~Policy.initial_state` (see
+:class:`~ampscaler.ScalePolicy`'s ``hysteresis_left``). docs/design.md has a longer example.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import struct
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+import torch
+
+from ..errors import InvalidConfigError, ScalerUsageError
+
+__all__ = [
+    "FP16_MAX",
+    "LOWEST_SCALE",
+    "BasicState",
+    "Meter",
+    "Policy",
+    "PolicyState",
+    "PowerOfTwo",
+    "TorchRule",
+    "check_scale",
+    "float32_value",
+    "pow2_exponent",
+    "require_int",
+    "require_number",
+]
+
+FP16_MAX = 65504.0
+"""The largest finite float16 value: a gradient beyond it overflows to inf."""
+
+LOWEST_SCALE = 2.0**-126
+"""The smallest scale a policy may hold: float32's smallest normal number. Below it ``1/scale``
+is no longer exact in float32, and from ``2**-128`` on it is infinite: unscaling would write
+inf/NaN into finite gradients (docs/migration.md)."""
+
+
+def require_number(name: str, value: object) -> float:
+    """``value`` as a float if it is a real number (numpy scalars and one-element tensors
+    included, as torch accepts them), else :class:`InvalidConfigError` naming ``name``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    elif hasattr(value, "dtype") and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()  # a numpy scalar
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidConfigError(f"{name} must be a real number, got {value!r}.")
+    return float(value)
+
+
+def require_int(
+    name: str,
+    value: object,
+    minimum: int,
+    maximum: int | None = None,
+    *,
+    integral_floats: bool = False,
+) -> int:
+    """``value`` as an int if it is an integer (numpy integers and one-element integer tensors
+    included, as torch accepts them; with ``integral_floats`` also floats such as ``3.0``)
+    within ``[minimum, maximum]``, else :class:`InvalidConfigError` naming ``name``."""
+    number: object = value
+    if isinstance(number, torch.Tensor) and number.numel() == 1 and not number.is_complex():
+        number = number.item()
+    elif hasattr(number, "dtype") and hasattr(number, "item") and getattr(number, "ndim", 1) == 0:
+        number = number.item()  # a numpy scalar
+    if integral_floats and isinstance(number, float) and number.is_integer():
+        number = int(number)
+    within = f">= {minimum}" if maximum is None else f">= {minimum} and <= {_shown(maximum)}"
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise InvalidConfigError(f"{name} must be an int {within}, got {value!r}.")
+    if number < minimum or (maximum is not None and number > maximum):
+        raise InvalidConfigError(f"{name} must be {within}, got {value!r}.")
+    return number
+
+
+def _shown(number: int) -> str:
+    """``number`` as a person reads a bound: ``2**31 - 1`` rather than ``2147483647``."""
+    for offset, suffix in ((0, ""), (1, " - 1")):
+        exponent = pow2_exponent(float(number + offset))
+        if exponent is not None and exponent > 16:
+            return f"2**{exponent}{suffix}"
+    return str(number)
+
+
+def float32_value(value: float) -> float:
+    """``value`` as the float32 the scale tensor holds (``inf`` beyond float32's range).
+
+    Example:
+        >>> float32_value(0.1), float32_value(1e39)
+        (0.10000000149011612, inf)
+    """
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", value))[0])
+    except OverflowError:  # beyond float32's range
+        return math.copysign(math.inf, value)
+
+
+def pow2_exponent(value: float | None) -> int | None:
+    """``e`` when ``value`` is exactly ``2**e`` (a positive finite power of two), else ``None``.
+
+    Example:
+        >>> pow2_exponent(65536.0), pow2_exponent(0.25), pow2_exponent(3.0), pow2_exponent(None)
+        (16, -2, None, None)
+    """
+    if value is None or not (value > 0.0 and math.isfinite(value)):
+        return None
+    mantissa, exponent = math.frexp(value)
+    return exponent - 1 if mantissa == 0.5 else None
+
+
+def check_scale(
+    name: str, scale: object, min_scale: float | None = None, max_scale: float | None = None
+) -> float:
+    """``scale`` as a float if float32 holds it finite, normal (``>= 2**-126``, where
+    ``1/scale`` is exact and finite) and within the bounds, else
+    :class:`InvalidConfigError` naming ``name`` and the allowed range.
+
+    Example:
+        >>> check_scale("init_scale", 1024)
+        1024.0
+    """
+    value = require_number(name, scale)
+    stored = float32_value(value)
+    low = LOWEST_SCALE if min_scale is None else max(float32_value(min_scale), LOWEST_SCALE)
+    high = math.inf if max_scale is None else float32_value(max_scale)
+    if not (math.isfinite(stored) and low <= stored <= high):
+        if min_scale is None and max_scale is None:
+            within = ""
+        else:
+            within = (
+                f" and within [min_scale, max_scale] = [{min_scale or 0}, "
+                f"{max_scale or math.inf}]"
+            )
+        raise InvalidConfigError(
+            f"{name} must be a number > 0 that is finite as a float32 and at least 2**-126 "
+            f"(float32's smallest normal number: below it unscaling is not exact){within}, "
+            f"got {scale!r}."
+        )
+    return value
+
+
+class PolicyState(Protocol):
+    """A policy's moving parts: a :class:`~typing.NamedTuple` of tensors on the scale's
+    device whose first two fields are ``scale`` (0-dim float32) and ``growth_tracker`` (0-dim
+    int32), torch's names for them. The scaler creates it with :meth:`Policy.initial_state`
+    and keeps the same tensor objects for its lifetime."""
+
+    @property
+    def scale(self) -> torch.Tensor: ...
+
+    @property
+    def growth_tracker(self) -> torch.Tensor: ...
+
+    def _asdict(self) -> dict[str, Any]: ...
+
+    def __iter__(self) -> Iterator[torch.Tensor]: ...
+
+    def __len__(self) -> int: ...
+
+
+class BasicState(NamedTuple):
+    """The state of a policy with no moving parts of its own: torch's two tensors.
+
+    Attributes:
+        scale: float32, the loss scale.
+        growth_tracker: int32, clean steps in a row (what torch's scaler counts).
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+
+
+class PowerOfTwo(NamedTuple):
+    """How a policy keeps a scale that is a power of two one (see :attr:`Policy.power_of_two`).
+
+    Attributes:
+        drop: by how many binades one ``update()`` can lower the scale at most (``0``: the
+            scale never leaves float32's normal range, whatever happens).
+        floor: the lowest exponent ``e`` of a scale ``2**e`` it can reach (``None``: none).
+    """
+
+    drop: int
+    floor: int | None
+
+
+class TorchRule(NamedTuple):
+    """The dynamic rule as torch's scaler names it: what ``get_growth_factor()`` and friends
+    return, and what ``state_dict()`` saves under torch's keys (torch's scaler needs them)."""
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+class Meter(Protocol):
+    """What a measuring policy's meter does (see :meth:`Policy.new_meter`).
+
+    The scaler calls, per iteration: :meth:`start` at the first ``scale()``, :meth:`measure`
+    per optimizer with the scaled gradients before they are checked, :meth:`take` in
+    ``update()`` (then agrees on the value across ranks) and :meth:`advance`, or :meth:`skip`
+    for ``update(new_scale)``, which does not consult the policy. :meth:`watch` gets the models
+    of ``scaler.watch()``; :meth:`detach` ends the meter (a loaded checkpoint replaced it).
+    """
+
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> None: ...
+
+    def start(self) -> None: ...
+
+    def measure(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def take(self, device: torch.device) -> torch.Tensor | None: ...
+
+    def advance(self) -> None: ...
+
+    def skip(self) -> None: ...
+
+    def detach(self) -> None: ...
+
+
+def _scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
+    return torch.full((), scale, dtype=torch.float32, device=device)
+
+
+def _tracker_tensor(tracker: int, device: torch.device) -> torch.Tensor:
+    return torch.full((), tracker, dtype=torch.int32, device=device)
+
+
+class Policy(abc.ABC):
+    """How the loss scale moves: the protocol every policy implements (module docstring).
+
+    Subclasses are frozen dataclasses of Python numbers, validated on construction. Only
+    :meth:`update_` is required; every other method has a default that fits a policy whose
+    state is :class:`BasicState` and whose scale may take any value.
+    """
+
+    #: Whether :meth:`update_` and :meth:`adjust` use ``measured`` (then :meth:`new_meter`
+    #: gives the meter that measures it).
+    measuring: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------ the state
+
+    def initial_state(
+        self, scale: float, device: torch.device, values: Mapping[str, Any] | None = None
+    ) -> PolicyState:
+        """The state on ``device``: ``scale``, and the other fields from ``values`` (by name,
+        as Python numbers or lists, as :meth:`state_values` gives them; validated already),
+        fresh where ``values`` lacks them. The default makes a :class:`BasicState`."""
+        tracker = 0 if values is None else int(values.get("growth_tracker", 0))
+        return BasicState(_scale_tensor(scale, device), _tracker_tensor(tracker, device))
+
+    def own_values(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """This policy's own state values (beyond scale and growth tracker) from a checkpoint's
+        section, validated: what :meth:`initial_state` takes as ``values``. Raises
+        :class:`InvalidConfigError` naming the bad value. The default has none."""
+        return {}
+
+    # ------------------------------------------------------------------ the transition
+
+    @abc.abstractmethod
+    def update_(
+        self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
+    ) -> None:
+        """Move ``state`` in place (its tensors keep their identity) after one iteration whose
+        gradients held inf/NaN iff ``found_inf > 0`` (a 0-dim float32 tensor on the state's
+        device). ``measured`` is the iteration's measurement for a :attr:`measuring` policy on
+        the iterations it measures (``None`` otherwise). Must not wait for the device."""
+
+    def adjust(
+        self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
+    ) -> PolicyState:
+        """The state after one iteration, leaving ``state`` as it was (pure). The default runs
+        :meth:`update_` on copies of the tensors."""
+        moved = type(state)(*(tensor.clone() for tensor in state))
+        self.update_(moved, found_inf, measured)
+        return moved
+
+    def set_scale_(self, state: PolicyState, value: float) -> None:
+        """``update(new_scale)``: put ``value`` (validated by :meth:`check_scale`) into the
+        state, in place."""
+        state.scale.fill_(value)
+
+    # ------------------------------------------------------------------ values
+
+    def check_scale(self, name: str, scale: object) -> float:
+        """Validate a scale value for this policy (``init_scale``, ``new_scale``, a loaded
+        one): the default takes any number float32 holds finite and >= 2**-126. Returns it as
+        a float, or raises :class:`InvalidConfigError` naming ``name``."""
+        return check_scale(name, scale)
+
+    def starting_scale(self, init_scale: object) -> float:
+        """The scale a scaler starts from, given its ``init_scale`` (validated)."""
+        return self.check_scale("init_scale", init_scale)
+
+    @property
+    def power_of_two(self) -> PowerOfTwo | None:
+        """How this policy keeps a power-of-two scale one, or ``None`` when it may turn one
+        into something else (then unscaling is never assumed exact in float32)."""
+        return None
+
+    def new_meter(self, iteration: int, agreed: bool) -> Meter | None:
+        """The meter that measures for this policy from its iteration number ``iteration``
+        (``agreed``: the scaler agrees across ranks, so measurements may differ by rank);
+        ``None`` for a policy that measures nothing."""
+        return None
+
+    # ------------------------------------------------------------------ torch's names
+
+    def torch_rule(self) -> TorchRule:
+        """The rule torch's getters report and ``state_dict()`` saves under torch's keys
+        (torch's defaults for a policy without one)."""
+        return TorchRule()
+
+    def with_rule(self, funcname: str, **changes: Any) -> Policy:
+        """This policy with torch's rule numbers changed (``set_growth_factor()`` and friends).
+
+        Raises:
+            ScalerUsageError: this policy has no such rule (the default).
+        """
+        raise ScalerUsageError(
+            f"{funcname}() changes the dynamic rule, but this scaler's policy is {self}, which "
+            "has no growth rule to change; construct the scaler with the policy you want, or "
+            "with policy=ScalePolicy(...) for torch's rule."
+        )
+
+    # ------------------------------------------------------------------ checkpoints, ranks
+
+    @property
+    def kind(self) -> str:
+        """The name checkpoints know this policy by (its class name)."""
+        return type(self).__name__
+
+    def config(self) -> dict[str, Any]:
+        """The settings, as Python values: saved in checkpoints and compared across ranks. The
+        default takes the dataclass fields."""
+        if not dataclasses.is_dataclass(self):
+            return {}
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as ranks compare them before they agree, each a Python number, string,
+        bool or ``None`` (beside torch's rule numbers and the policy's kind). The default: the
+        :meth:`config`."""
+        return self.config()
+
+    def with_config(self, config: Mapping[str, Any]) -> Policy:
+        """A policy of this kind with the settings ``config`` (from a checkpoint), validated by
+        construction. The default builds the dataclass from its fields.
+
+        Raises:
+            InvalidConfigError: a setting is missing or invalid.
+        """
+        names = list(self.config())
+        missing = [name for name in names if name not in config]
+        if missing:
+            raise InvalidConfigError(f"the checkpoint lacks the {self.kind} settings {missing}.")
+        try:
+            return type(self)(**{name: config[name] for name in names})
+        except TypeError as error:
+            raise InvalidConfigError(f"the {self.kind} settings do not fit: {error}.") from error
+
+    def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """What ``state_dict()`` holds for this policy beyond torch's keys, given its own state
+        ``values`` (as :meth:`initial_state` takes them, scale and growth tracker left out).
+        The default: one section, ``policy_state``, with the settings and the values."""
+        return {"policy_state": {**self.config(), **values}}
+
+    def from_checkpoint(self, saved: Mapping[str, Any]) -> tuple[Policy, dict[str, Any]]:
+        """The policy and its own state values that ``saved`` (a state dict naming this
+        policy's :attr:`kind`) restores, validated; :meth:`checkpoint_entries`' counterpart.
+
+        Raises:
+            InvalidConfigError: the section is missing or holds invalid values.
+        """
+        section = saved.get("policy_state")
+        if not isinstance(section, Mapping):
+            raise InvalidConfigError(
+                f"the checkpoint names policy {self.kind!r} but holds no 'policy_state' section "
+                f"with its settings (got {section!r}); it was not saved by this policy."
+            )
+        policy = self.with_config(section)
+        own = {key: value for key, value in section.items() if key not in policy.config()}
+        return policy, policy.own_values(own)
+
+    def from_torch_dict(self, saved: Mapping[str, Any]) -> Policy:
+        """The policy after loading torch's own state dict (only torch's five keys): the
+        default keeps this policy as constructed."""
+        return self

@@ -1,0 +1,446 @@
+"""A scale set from measured gradient magnitudes: :class:`HeadroomPolicy`.
+
+Reactive policies (torch's, :class:`~ampscaler.ScalePolicy`) find the scale's ceiling by
+overflowing; this one measures how far the largest scaled gradients are from float16's largest
+value and sets the scale below it (:mod:`ampscaler.policy.meter` measures). The scale stays a
+power of two, so unscaling is exact.
+
+Example:
+    >>> import torch
+    >>> policy = HeadroomPolicy(margin=2.0)
+    >>> state = policy.initial_state(1.0, torch.device("cpu"))
+    >>> state = policy.adjust(state, torch.tensor(0.0), torch.tensor(1e-3))
+    >>> state.scale.item() == 2.0**24
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import InvalidConfigError, ScalerUsageError
+from .base import (
+    FP16_MAX,
+    Meter,
+    Policy,
+    PolicyState,
+    PowerOfTwo,
+    TorchRule,
+    check_scale,
+    pow2_exponent,
+    require_int,
+    require_number,
+)
+
+__all__ = ["HEADROOM_EXPONENTS", "HeadroomPolicy", "HeadroomState"]
+
+#: range, where ``1/scale`` is exact.
+HEADROOM_EXPONENTS = (-126, 127)
+
+
+class HeadroomState(NamedTuple):
+    """A :class:`HeadroomPolicy`'s moving parts, as tensors on the scale's device.
+
+    The first three are :class:`ScaleState`'s.
+
+    Attributes:
+        scale: float32, the current loss scale (always a power of two, at most ``target``).
+        growth_tracker: int32, clean steps in a row since the last overflow or the last
+            doubling after one (torch's growth tracker).
+        target: float32, the scale the measurements allow (``first_scale`` until the first).
+        history: float64 ``[history_length]``, the largest gradient of each measured iteration
+            divided by the scale it was measured at (a ring; 0 marks an empty slot).
+        measured: int64, measurements stored so far (the next goes to slot
+            ``measured % history_length``).
+        iteration: int64, updates so far (what the measuring schedule counts).
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    target: torch.Tensor
+    history: torch.Tensor
+    measured: torch.Tensor
+    iteration: torch.Tensor
+
+
+#: The largest count a HeadroomPolicy setting takes (its counters are int64 tensors).
+_COUNT_MAX = 2**62
+
+
+def _require_count(name: str, value: object) -> int:
+    return require_int(name, value, 1, _COUNT_MAX)
+
+
+def _require_pow2(name: str, value: object, *, optional: bool = False) -> float | None:
+    """``value`` as a float if it is ``2**e`` with ``e`` in float32's normal range."""
+    if optional and value is None:
+        return None
+    number = require_number(name, value)
+    exponent = pow2_exponent(number)
+    low, high = HEADROOM_EXPONENTS
+    if exponent is None or not low <= exponent <= high:
+        none = " or None" if optional else ""
+        near = round(math.log2(number)) if number > 0 and math.isfinite(number) else 16
+        raise InvalidConfigError(
+            f"HeadroomPolicy keeps the scale a power of two (so unscaling is exact): {name} must "
+            f"be 2**e with {low} <= e <= {high}{none}, got {value!r}; for example 2.0**{near}."
+        )
+    return number
+
+
+@dataclass(frozen=True)
+class HeadroomPolicy(Policy):
+    """A scale set from measured gradient magnitudes instead of found by overflowing.
+
+    Reactive policies (torch's, :class:`ScalePolicy`) grow the scale every ``growth_interval``
+    clean steps until a step overflows, skip that step and back off, over and over. This
+    policy measures how far the largest scaled gradients are from float16's largest value
+    (65504) and sets the scale to the largest power of two that keeps ``margin`` between them,
+    so it grows without overflowing. A real overflow still backs off at once: the scale moves by
+    torch's rule (backed off at each overflow, doubled after each ``recovery_interval`` clean
+    steps) but never above that target, and a measurement that moves the target moves the
+    scale with it. Until something overflows the scale is the target; after an overflow it
+    goes on following the measurements, a binade below them until it has recovered.
+
+    What is measured (by the scaler, see :mod:`ampscaler.headroom`): the largest magnitude of
+    the gradients arriving at the outputs of the leaf modules of the models given to
+    :meth:`GradScaler.watch <ampscaler.GradScaler.watch>` (the activation gradients, where
+    float16 overflows during the backward), and of the parameter gradients float16 computed.
+    Every iteration while fewer than ``history_length`` iterations have run, then every
+    ``sample_every``-th; the last ``history_length`` measurements are kept, and the largest
+    of them sets the scale. The first iteration runs at ``first_scale`` (1 by default, where
+    float16 training without scaling runs), so its measurement sets the scale before any step
+    could overflow: no run skips warm-up steps, whatever the scale would have started at.
+
+    One call of :meth:`adjust`, with ``overflow = found_inf > 0`` and ``measured`` the largest
+    gradient magnitude of the iteration at its scale (``None``: not measured)::
+
+        trouble = overflow or (measured is inf, NaN or > 65504)
+        if measured and not trouble and measured > 0:
+            history[stored % history_length] = measured / scale;  stored += 1
+        if measured and max(history) > 0:
+            new = the largest 2**e <= 65504 / (max(history) * margin),
+                  within [min_scale, max_scale]
+            scale = scale * new / target;  target = new      # keep the distance below it
+        if trouble:  scale *= backoff_factor;  tracker = 0    # torch's rule ...
+        else:        tracker += 1
+                     if tracker == recovery_interval:  tracker = 0;  scale *= 2
+        scale = min(max(scale, min_scale), target)           # ... capped at the target
+        iteration += 1
+
+    Products of powers of two are exact, so the scale stays a power of two: unscaling is exact
+    and fused optimizers keep ampscaler's one-pass route. Written with ``torch.where`` and
+    torch's fused update kernel, it runs on the device and never waits for it; an iteration
+    that was not measured costs four small device ops, a measured one about thirty.
+
+    Args:
+        margin: the largest scaled gradient is kept at least this factor below 65504; >= 1.
+            The default, ``2**0.5``, leaves half a binade (and the rounding down to a power of
+            two another half on average) for gradients to grow between measurements and for
+            values the measurement does not see (inside fused attention, say); ``2.0`` or more
+            for gradients that jump more (docs/headroom.md has measurements).
+        history_length: measurements kept; the largest sets the scale; >= 1.
+        sample_every: after the first ``history_length`` iterations, measure every this many;
+            >= 1 (``1``: every iteration).
+        backoff_factor: multiplies the scale on an overflow; a power of two in (0, 1).
+        recovery_interval: clean steps in a row after which a scale an overflow backed off
+            doubles (up to the target); >= 1 (torch's ``growth_interval``, saved under that
+            name).
+        first_scale: the scale of the iterations before the first measurement (a power of
+            two); the scaler's ``init_scale`` does not apply.
+        min_scale: the scale never goes below this (a power of two); ``None``: ``2**-126``.
+        max_scale: the scale never goes above this (a power of two); ``None``: ``2**127``.
+
+    Raises:
+        InvalidConfigError: (a ``ValueError``) naming the argument and its allowed values.
+
+    Example:
+        >>> import torch
+        >>> policy = HeadroomPolicy(margin=2.0)
+        >>> state = policy.initial_state(1.0, torch.device("cpu"))
+        >>> largest = torch.tensor(1e-3)      # the largest gradient at scale 1
+        >>> state = policy.adjust(state, torch.tensor(0.0), largest)
+        >>> state.scale.item() == 2.0**24     # 2**24 * 1e-3 * 2 <= 65504 < 2**25 * 1e-3 * 2
+        True
+        >>> state = policy.adjust(state, torch.tensor(1.0))   # an overflow anyway: back off
+        >>> state.scale.item() == 2.0**23, state.target.item() == 2.0**24
+        (True, True)
+    """
+
+    margin: float = 2.0**0.5
+    history_length: int = 64
+    sample_every: int = 32
+    backoff_factor: float = 0.5
+    recovery_interval: int = 2000
+    first_scale: float = 1.0
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    measuring = True
+
+    def __post_init__(self) -> None:
+        margin = require_number("margin", self.margin)
+        if not (margin >= 1.0 and math.isfinite(margin)):
+            raise InvalidConfigError(
+                f"margin must be a finite number >= 1 (the factor kept between the largest "
+                f"scaled gradient and 65504; 1 keeps none), got {self.margin!r}."
+            )
+        _require_count("history_length", self.history_length)
+        _require_count("sample_every", self.sample_every)
+        _require_count("recovery_interval", self.recovery_interval)
+        backoff = _require_pow2("backoff_factor", self.backoff_factor)
+        if backoff is None or not backoff < 1.0:
+            raise InvalidConfigError(
+                f"backoff_factor must be a power of two below 1 (0.5, 0.25, ...), got "
+                f"{self.backoff_factor!r}."
+            )
+        low = _require_pow2("min_scale", self.min_scale, optional=True)
+        high = _require_pow2("max_scale", self.max_scale, optional=True)
+        if low is not None and high is not None and low > high:
+            raise InvalidConfigError(
+                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})."
+            )
+        low_bound, high_bound = HEADROOM_EXPONENTS
+        exponents = (
+            low_bound if low is None else pow2_exponent(low) or 0,
+            high_bound if high is None else pow2_exponent(high) or 0,
+        )
+        object.__setattr__(self, "_exponents", exponents)  # read on every update
+        self.check_scale("first_scale", self.first_scale)
+
+    @property
+    def exponents(self) -> tuple[int, int]:
+        """The lowest and highest exponent ``e`` of the scales ``2**e`` this policy sets."""
+        exponents: tuple[int, int] = self.__dict__["_exponents"]
+        return exponents
+
+    def check_scale(self, name: str, scale: object) -> float:
+        """Validate a scale value (``first_scale``, ``new_scale``, a loaded one): a power of
+        two within the bounds. Returns it as a float, or raises :class:`InvalidConfigError`."""
+        value = _require_pow2(name, scale)
+        assert value is not None
+        low, high = self.exponents
+        if not 2.0**low <= value <= 2.0**high:
+            raise InvalidConfigError(
+                f"{name} must be within [min_scale, max_scale] = [2**{low}, 2**{high}], got "
+                f"{scale!r}."
+            )
+        return value
+
+    def measures(self, iteration: int) -> bool:
+        """Whether iteration number ``iteration`` (counting from 0) is measured.
+
+        Example:
+            >>> policy = HeadroomPolicy(history_length=3, sample_every=4)
+            >>> [i for i in range(16) if policy.measures(i)]
+            [0, 1, 2, 6, 10, 14]
+        """
+        young = iteration < self.history_length
+        return young or (iteration - self.history_length + 1) % self.sample_every == 0
+
+    # ------------------------------------------------------------------ the protocol
+
+    def initial_state(
+        self, scale: float, device: torch.device, values: Mapping[str, Any] | None = None
+    ) -> HeadroomState:
+        """Fresh state on ``device`` (nothing measured yet; the target is ``scale``), or the
+        saved ``values`` (:meth:`own_values`)."""
+        values = values or {}
+        history = values.get("history", [0.0] * self.history_length)
+        return HeadroomState(
+            scale=torch.full((), scale, dtype=torch.float32, device=device),
+            growth_tracker=torch.full(
+                (), int(values.get("growth_tracker", 0)), dtype=torch.int32, device=device
+            ),
+            target=torch.full((), values.get("target", scale), dtype=torch.float32, device=device),
+            history=torch.tensor(history, dtype=torch.float64, device=device),
+            measured=torch.full((), values.get("measured", 0), dtype=torch.int64, device=device),
+            iteration=torch.full((), values.get("iteration", 0), dtype=torch.int64, device=device),
+        )
+
+    def own_values(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """``target``, ``history``, ``measured`` and ``iteration`` from a checkpoint, validated.
+
+        Raises:
+            InvalidConfigError: a value is missing, of another length, or out of range.
+        """
+        history = saved.get("history")
+        if not (
+            isinstance(history, (list, tuple))
+            and len(history) == self.history_length
+            and all(_finite_at_least_zero(value) for value in history)
+        ):
+            raise InvalidConfigError(
+                f"headroom['history'] must be a list of {self.history_length} finite numbers "
+                f">= 0 (history_length), got {history!r}."
+            )
+        values: dict[str, Any] = {"history": [float(value) for value in history]}
+        values["target"] = self.check_scale("headroom['target']", saved.get("target"))
+        for name in ("measured", "iteration"):
+            values[name] = require_int(
+                f"headroom[{name!r}]", saved.get(name), 0, _COUNT_MAX, integral_floats=True
+            )
+        return values
+
+    def set_scale_(self, state: PolicyState, value: float) -> None:
+        """``update(new_scale)``: the scale, and what the measurements allow, until the next
+        measurement or overflow."""
+        live = _headroom_state(state, "set_scale_")
+        live.scale.fill_(value)
+        live.target.fill_(value)
+
+    def starting_scale(self, init_scale: object) -> float:
+        """``first_scale``: the first iteration runs there, and its measurement sets the scale
+        (``init_scale`` is validated, but not used)."""
+        check_scale("init_scale", init_scale)
+        return float(self.first_scale)
+
+    @property
+    def power_of_two(self) -> PowerOfTwo:
+        """Every scale it sets is ``2**e`` within its bounds, which float32's normal range holds
+        (checked on construction): exact after any number of updates."""
+        return PowerOfTwo(drop=0, floor=None)
+
+    def new_meter(self, iteration: int, agreed: bool) -> Meter:
+        """A :class:`~ampscaler.policy.meter.HeadroomMeter` following this policy's schedule."""
+        from .meter import HeadroomMeter  # the meter needs the taps, which need torch.nn
+
+        return HeadroomMeter(self, iteration, agreed=agreed)
+
+    def torch_rule(self) -> TorchRule:
+        """Its backoff factor, and ``recovery_interval`` as the growth interval: torch's scaler,
+        loading its checkpoint, grows as rarely as the policy recovers from an overflow."""
+        return TorchRule(2.0, self.backoff_factor, self.recovery_interval)
+
+    def with_rule(self, funcname: str, **changes: Any) -> Policy:
+        """Refused: the scale is set from measurements, not by a growth rule."""
+        raise ScalerUsageError(
+            f"{funcname}() changes the growth rule, but this scaler's policy is {self}, which "
+            "sets the scale from measured gradients and has no growth rule; construct the "
+            "scaler with the HeadroomPolicy you want, or with policy=ScalePolicy(...) for "
+            "torch's rule."
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """ampscaler's usual keys (every overflow backs off: hysteresis 1), and its own
+        settings as ``headroom.<name>``."""
+        own = {f"headroom.{name}": value for name, value in self.config().items()}
+        rule = {"hysteresis": 1, "min_scale": self.min_scale, "max_scale": self.max_scale}
+        return {**rule, "dynamic": True, **own}
+
+    def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``headroom``: its settings and its own state, beside ampscaler's usual keys."""
+        usual = {k: v for k, v in self.settings().items() if not k.startswith("headroom.")}
+        return {**usual, "_hysteresis_tracker": 1, "headroom": {**self.config(), **values}}
+
+    def from_checkpoint(self, saved: Mapping[str, Any]) -> tuple[HeadroomPolicy, dict[str, Any]]:
+        """The policy and its state from ``headroom``.
+
+        Raises:
+            InvalidConfigError: no ``headroom`` section (a checkpoint loaded through a template
+                made by a scaler with another policy, such as a DCP ``state_dict`` template), or
+                one with invalid values.
+        """
+        section = saved.get("headroom")
+        if not isinstance(section, Mapping):
+            raise InvalidConfigError(
+                "the checkpoint was saved with a HeadroomPolicy, but holds no 'headroom' section "
+                f"with its settings and measurements (got {section!r}). When loading through "
+                "a template (torch.distributed.checkpoint), make the template with a scaler "
+                "constructed with policy=HeadroomPolicy(...), so that it has the section."
+            )
+        policy = self.with_config(section)
+        assert isinstance(policy, HeadroomPolicy)  # with_config makes one of its own kind
+        return policy, policy.own_values(section)
+
+    def adjust(
+        self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
+    ) -> HeadroomState:
+        """The state after one iteration (see the class docstring for the rule).
+
+        Pure (the input state is not modified: :meth:`update_` runs on copies of its tensors)
+        and free of host syncs. ``found_inf`` is a 0-dim float tensor, ``> 0`` iff the
+        gradients held inf/NaN; ``measured`` a 0-dim float tensor: the largest gradient
+        magnitude the iteration's backward held at its scale (``< 0`` counts as nothing
+        measured, as ``None`` does).
+
+        Raises:
+            TypeError: ``state`` is not a :class:`HeadroomState`.
+        """
+        moved = HeadroomState(*(tensor.clone() for tensor in _headroom_state(state, "adjust")))
+        self.update_(moved, found_inf, measured)
+        return moved
+
+    def update_(
+        self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
+    ) -> None:
+        """Apply the rule to ``state`` in place: its tensors keep their identity.
+
+        An iteration that was not measured runs four device ops (torch's fused update kernel
+        among them); a measured one about thirty. No host sync.
+
+        Raises:
+            TypeError: ``state`` is not a :class:`HeadroomState`.
+        """
+        live = _headroom_state(state, "update_")
+        flag = found_inf.to(device=live.scale.device, dtype=torch.float32)
+        if measured is not None:
+            flag = self._measure_(live, flag, measured.to(live.scale.device))
+        torch._amp_update_scale_(
+            live.scale,
+            live.growth_tracker,
+            flag,
+            2.0,
+            self.backoff_factor,
+            self.recovery_interval,
+        )
+        live.scale.clamp_(min=2.0 ** self.exponents[0])
+        torch.minimum(live.scale, live.target, out=live.scale)
+        live.iteration.add_(1)
+
+    def _measure_(
+        self, live: HeadroomState, flag: torch.Tensor, measured: torch.Tensor
+    ) -> torch.Tensor:
+        """Take ``measured`` into the history, the target and the scale, in place; returns the
+        flag torch's rule moves the scale by (the overflow flag, raised for a measurement
+        beyond float16)."""
+        hot = ~(measured <= FP16_MAX)  # inf, NaN, or beyond float16
+        flag = flag + hot
+        usable = (measured > 0.0) & (flag == 0)
+        slot = torch.remainder(live.measured, self.history_length).reshape(1)
+        relative = measured.double() / live.scale.double()
+        live.history.index_put_((slot,), torch.where(usable, relative, live.history[slot]))
+        live.measured.add_(usable)
+        peak = live.history.max()
+        # One correctly rounded division (a Python number over a tensor would round twice).
+        room = torch.full_like(peak, FP16_MAX) / (peak * self.margin)
+        _, exponent = torch.frexp(room)  # room = m * 2**exponent with 0.5 <= m < 1
+        low, high = self.exponents
+        allowed = torch.exp2((exponent - 1).clamp(low, high).double()).float()
+        target = torch.where(peak > 0.0, allowed, live.target)
+        live.scale.mul_(target / live.target)  # a ratio of powers of two: exact
+        live.target.copy_(target)
+        return flag
+
+
+def _headroom_state(state: PolicyState, method: str) -> HeadroomState:
+    if not isinstance(state, HeadroomState):
+        raise TypeError(
+            f"HeadroomPolicy.{method}() needs a HeadroomState (policy.initial_state(...) makes "
+            f"one), got {type(state).__name__}."
+        )
+    return state
+
+
+
+
+def _finite_at_least_zero(value: object) -> bool:
+    """Whether ``value`` is a real number, finite and >= 0."""
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < math.inf
+    )

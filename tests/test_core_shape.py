@@ -1,0 +1,62 @@
+"""The package keeps the shape docs/design.md describes: a small core that optional features plug
+into (measured by tests/core_shape.py; ``python tests/core_shape.py`` prints the numbers)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import core_shape
+
+
+def test_the_core_names_optional_features_at_most_ten_times() -> None:
+    mentions = core_shape.feature_mentions(core_shape.SRC)
+    assert len(mentions) <= 10, "\n".join(map(str, mentions))
+
+
+def test_nothing_asks_a_policy_or_the_state_what_type_it_is_outside_their_modules() -> None:
+    assert core_shape.type_checks(core_shape.SRC) == []
+
+
+def test_nothing_outside_the_state_settles_it() -> None:
+    assert core_shape.settle_calls(core_shape.SRC) == []
+
+
+def test_no_function_body_is_longer_than_fifty_lines() -> None:
+    assert core_shape.long_functions(core_shape.SRC) == []
+
+
+def test_the_scaler_is_one_class_with_at_most_one_base() -> None:
+    assert core_shape.scaler_bases(core_shape.SRC) == ["TorchPrivateNames"]
+
+
+def test_the_public_methods_of_the_scaler_are_defined_in_scaler_py() -> None:
+    tree = ast.parse((core_shape.SRC / "compat.py").read_text())
+    names = [
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    ]
+    assert names == []  # compat.py holds torch's private names only
+
+
+def test_the_measures_can_fail(tmp_path: Path) -> None:
+    """Each measure finds what it looks for in a package written to break it."""
+    package = tmp_path / "pkg"
+    (package / "grads").mkdir(parents=True)
+    (package / "observe").mkdir()
+    (package / "observe" / "monitor.py").write_text("class Monitor: ...\n")
+    body = "\n".join(f"    x{i} = {i}" for i in range(51))
+    (package / "scaler.py").write_text(
+        "from .observe.monitor import Monitor\n"
+        "class GradScaler(A, B):\n"
+        "    def f(self):\n"
+        "        self._state.settle()\n"
+        "        return isinstance(self.policy, ScalePolicy)\n"
+        f"def long():\n{body}\n"
+    )
+    assert [m.name for m in core_shape.feature_mentions(package)] == ["Monitor"]
+    assert [m.name for m in core_shape.type_checks(package)] == ["ScalePolicy"]
+    assert len(core_shape.settle_calls(package)) == 1
+    assert [m.name for m in core_shape.long_functions(package)] == ["long (51)"]
+    assert core_shape.scaler_bases(package) == ["A", "B"]
