@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from ampscaler.report import (
     has_scaler,
     parameter_zeros,
     percent,
+    plot_modules,
     render_report,
     report_notes,
     report_summary,
@@ -91,8 +91,11 @@ def test_summary_json_names_what_by_layer_holds(demo: tuple[Path, DemoOutcome]) 
     assert "would be" in _summary(demo[0])[FP32]["underflow"]["measured"]
 
 
-def test_one_line_per_arm_and_no_skip_chart_without_a_scaler(
-    demo: tuple[Path, DemoOutcome], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_one_line_per_arm_no_skip_chart_without_a_scaler_and_titles_naming_the_arm(
+    demo: tuple[Path, DemoOutcome],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    figures: dict[str, Figure],
 ) -> None:
     out = tmp_path / "plots"
     assert main(["report", str(demo[0] / "steps.jsonl"), "--out", str(out)]) == 0
@@ -107,6 +110,11 @@ def test_one_line_per_arm_and_no_skip_chart_without_a_scaler(
         "scale.png", f"skips-{FP16_AMPSCALER}.png",
         *(f"probe-{arm}.png" for arm in ARMS), *(f"probe_modules-{arm}.png" for arm in ARMS),
     }
+    for name, figure in figures.items():
+        if name != "scale.png":  # (its title: test_the_scale_chart_leaves_out_...)
+            arm = name.split("-", 1)[1].removesuffix(".png")
+            title = figure.get_suptitle() or figure.axes[0].get_title()
+            assert title.startswith(f"{arm}: "), (name, title)
 
 
 def test_the_scale_chart_leaves_out_runs_without_a_scaler(demo: tuple[Path, DemoOutcome]) -> None:
@@ -119,18 +127,6 @@ def test_the_scale_chart_leaves_out_runs_without_a_scaler(demo: tuple[Path, Demo
     legend = [text.get_text() for text in axes.get_legend().get_texts()]
     assert f"{FP32}, {FP16_NO_SCALING}" in legend[-1] and "not drawn" in legend[-1]
     assert [has_scaler(run) for run in by_label(records).values()] == [False, False, True]
-
-
-def test_every_per_arm_chart_names_its_arm(
-    demo: tuple[Path, DemoOutcome], tmp_path: Path, figures: dict[str, Figure]
-) -> None:
-    render_report(read_log(demo[0] / "steps.jsonl"), tmp_path)
-    for name, figure in figures.items():
-        if name == "scale.png":
-            continue
-        arm = name.split("-", 1)[1].removesuffix(".png")
-        title = figure.get_suptitle() or figure.axes[0].get_title()
-        assert title.startswith(f"{arm}: "), (name, title)
 
 
 def _probed(counts: dict[str, UnderflowCounts]) -> list[StepRecord]:
@@ -154,8 +150,9 @@ def test_a_module_chart_of_small_shares_zooms_in_and_writes_the_values(
         axes.get_xlabel()
     )
     assert [text.get_text() for text in axes.texts] == ["0.0%", "0.001%", "0.004%", "0.2%"]
-    render_report(read_log(demo[0] / "steps.jsonl"), tmp_path)
-    unscaled = figures[f"probe_modules-{FP16_NO_SCALING}.png"].axes[0]
+    run = by_label(read_log(demo[0] / "steps.jsonl"))[FP16_NO_SCALING]
+    plot_modules([(r.step, r.probe) for r in run if r.probe is not None], tmp_path / "m.png")
+    unscaled = figures["m.png"].axes[0]
     assert unscaled.get_xlim()[1] > 100 and "zoomed" not in unscaled.get_xlabel()
 
 
@@ -169,43 +166,49 @@ def test_a_module_chart_with_nothing_to_show_is_left_out_with_a_note(tmp_path: P
     ]
 
 
+def _demo_like_log(folder: Path) -> Path:
+    """A small log shaped as the demo's: an arm without a scaler and one with, 3 steps each."""
+    folder.mkdir(parents=True)
+    log = folder / "steps.jsonl"
+    log.write_text("".join(
+        StepRecord(step=i, scale=scale, new_scale=scale, skipped=False, time=0.0, label=arm)
+        .to_json_line() + "\n"
+        for arm, scale in ((FP32, 1.0), (FP16_AMPSCALER, 1024.0)) for i in range(3)
+    ))
+    return log
+
+
 def test_report_takes_several_logs_each_into_its_own_folder(
-    demo: tuple[Path, DemoOutcome], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The README's `report ampscaler-demo-*/steps.jsonl`, once the demo ran twice."""
-    second = tmp_path / "ampscaler-demo-2"
-    second.mkdir()
-    shutil.copy(demo[0] / "steps.jsonl", second / "steps.jsonl")
-    logs = [demo[0] / "steps.jsonl", second / "steps.jsonl"]
+    logs = [_demo_like_log(tmp_path / name) for name in ("ampscaler-demo-1", "ampscaler-demo-2")]
     out = tmp_path / "plots"
     assert main(["report", *map(str, logs), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == sorted([demo[0].name, second.name])
+    assert sorted(p.name for p in out.iterdir()) == ["ampscaler-demo-1", "ampscaler-demo-2"]
     for folder in out.iterdir():
-        assert (folder / "scale.png").exists() and (folder / f"probe-{FP32}.png").exists()
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "scale.png", f"skips-{FP16_AMPSCALER}.png"
+        ]
     printed = capsys.readouterr().out.splitlines()
-    headers = [line for line in printed if not line.startswith("  ")]
-    assert headers == [f"{log}:" for log in logs]
-    per_arm = [line for line in printed if line.startswith(f"  {FP16_AMPSCALER}: 30 steps")]
-    assert len(per_arm) == 2 and per_arm[0].endswith("over 2 probed steps")
+    assert [line for line in printed if not line.startswith("  ")] == [f"{log}:" for log in logs]
+    assert printed.count(f"  {FP16_AMPSCALER}: 3 steps, 0 skipped, final scale 1024") == 2
 
 
-def test_without_out_the_charts_go_beside_each_log(
-    demo: tuple[Path, DemoOutcome], tmp_path: Path
-) -> None:
-    log = tmp_path / "run" / "steps.jsonl"
-    log.parent.mkdir()
-    shutil.copy(demo[0] / "steps.jsonl", log)
+def test_without_out_the_charts_go_beside_each_log(tmp_path: Path) -> None:
+    log = _demo_like_log(tmp_path / "run")
     assert main(["report", str(log)]) == 0
     assert (tmp_path / "run" / "steps-report" / "scale.png").exists()
 
 
 def test_one_bad_log_of_several_writes_nothing(
-    demo: tuple[Path, DemoOutcome], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\nat all\n")
     out = tmp_path / "plots"
-    assert main(["report", str(demo[0] / "steps.jsonl"), str(bad), "--out", str(out)]) == 2
+    good = _demo_like_log(tmp_path / "good")
+    assert main(["report", str(good), str(bad), "--out", str(out)]) == 2
     assert "bad.jsonl, line 1, is not JSON" in capsys.readouterr().err
     assert not out.exists()
 
