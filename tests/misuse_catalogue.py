@@ -90,6 +90,7 @@ CASES: tuple[Misuse, ...] = (
     Misuse(_C, 'GradScaler("cpu", init_scale=1e39)', _CFG, ("init_scale", "float32")),
     Misuse(_C, 'GradScaler("cpu", init_scale="65536")', _CFG, ("init_scale", "number")),
     Misuse(_C, "GradScaler(0)", _CFG, ("device", "'cpu'")),
+    Misuse(_C, "GradScaler(opt)", _CFG, ("device", "SGD", "scaler.step(optimizer)"), "model"),
     Misuse(_C, 'GradScaler("gpu")', _CFG, ("device", "'cpu'")),
     Misuse(_C, 'GradScaler("cpu", hysteresis=0)', _CFG, ("hysteresis", ">= 1"), in_torch=False),
     Misuse(_C, 'GradScaler("cpu", hysteresis=2.0)', _CFG, ("hysteresis", "int"), in_torch=False),

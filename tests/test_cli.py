@@ -11,10 +11,9 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from ampscaler import GradScaler, JsonlSink, read_log
+from ampscaler import GradientProbe, GradScaler, JsonlSink, read_log
 from ampscaler.cli import main
 from training_loop import Net, run_loop
-from twins import observed
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -25,7 +24,8 @@ def training_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("run") / "steps.jsonl"
     torch.manual_seed(0)
     model = Net()
-    scaler = observed(GradScaler("cpu", init_scale=2.0**14, growth_interval=4), probe_every=5)
+    scaler = GradScaler("cpu", init_scale=2.0**14, growth_interval=4)
+    scaler.attach(GradientProbe(every=5))
     scaler.watch(model)
     poison = {i: {"head.weight": float("inf")} for i in (6, 7, 17)}
     with scaler.add_sink(JsonlSink(path)):
@@ -56,7 +56,11 @@ def test_report_renders_valid_pngs_from_a_training_log(
     skipped = [r.step for r in records if r.skipped]
     assert {6, 7, 17} <= set(skipped) and len(records) == 24
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == f"24 steps, {len(skipped)} skipped, final scale {records[-1].new_scale:g}"
+    assert printed[0].startswith(
+        f"24 steps, {len(skipped)} skipped, final scale {records[-1].new_scale:g}; activation "
+        "gradients flushed to 0: "
+    )
+    assert printed[0].endswith("% over 5 probed steps")
     assert printed[1:] == [str(out / name) for name in ("scale.png", "skips.png", "probe.png",
                                                          "probe_modules.png")]
 
@@ -118,8 +122,7 @@ def test_a_log_cut_short_by_a_crash_is_read_up_to_its_last_whole_line(
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["report"], ["report", "x.jsonl"], ["report", "x.jsonl", "--out", "d",
-                                                    "--window", "0"], ["explode"]]
+    "argv", [[], ["report"], ["report", "x.jsonl", "--out", "d", "--window", "0"], ["explode"]]
 )
 def test_usage_errors_exit_2_without_traceback(
     argv: list[str], capsys: pytest.CaptureFixture[str]

@@ -157,9 +157,11 @@ def test_report_draws_the_demos_arms_together(
     log = tmp_path / "demo" / "steps.jsonl"
     assert main(["report", str(log), "--out", str(tmp_path / "r")]) == 0
     written = {path.name for path in (tmp_path / "r").iterdir()}
-    assert "scale.png" in written
+    assert "scale.png" in written and "skips-fp16_ampscaler.png" in written
     for arm in ("fp32", "fp16_no_scaling", "fp16_ampscaler"):
-        assert f"skips-{arm}.png" in written
+        assert f"probe-{arm}.png" in written
+    for arm in ("fp32", "fp16_no_scaling"):  # no loss scaler, nothing to count
+        assert f"skips-{arm}.png" not in written
 
 
 # ---------------------------------------------------------------------- smaller items
@@ -194,6 +196,7 @@ def test_no_empty_modules_chart_when_nothing_underflowed(tmp_path: Path) -> None
 def test_demo_table_explains_the_fp32_bracket(tmp_path: Path) -> None:
     table = summary_table(run_demo(DemoConfig(steps=4), tmp_path, progress=False))
     assert "in fp16)" in table and "fp32 flushes nothing" in table
+    assert "more than fp16_no_scaling's: fp32 fits better" in table  # why its share is larger
 
 
 def test_sharded_example_refuses_an_overflow_rank_it_does_not_have() -> None:

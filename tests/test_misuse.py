@@ -26,6 +26,12 @@ def test_misuse_raises_the_catalogued_error(case: Misuse) -> None:
     assert isinstance(error, type(theirs)) is not bool(case.deviation), (theirs, error)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[f"{i}:{c.code[:40]}" for i, c in enumerate(CASES)])
+def test_misuse_messages_are_one_line(case: Misuse) -> None:
+    """A message names what was passed in one line (an optimizer's repr spans many)."""
+    assert "\n" not in str(run(case, ampscaler.GradScaler))
+
+
 def _without_torch_column(text: str) -> list[str]:
     """The page's lines, table rows cut before their last cell (it depends on torch's version)."""
     lines = text.split("\n")

@@ -12,16 +12,35 @@ OPTIONAL = (
 )
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter that imports ampscaler from this checkout."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(SRC)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
 def test_import_ampscaler_imports_no_optional_framework() -> None:
     code = (
         "import sys, ampscaler, ampscaler.integrations\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({OPTIONAL!r})))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env={"PYTHONPATH": str(SRC)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_lightning_integration_without_lightning_says_what_to_install() -> None:
+    """As TensorBoardSink and the CLI's extras do: the error is the install command."""
+    result = _python(
+        "import sys\n"
+        "sys.modules['lightning'] = None  # as if Lightning were not installed\n"
+        "from ampscaler.integrations import lightning\n"
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: ampscaler.integrations.lightning needs Lightning")
+    assert last.endswith("pip install 'ampscaler[lightning]'.")

@@ -24,9 +24,16 @@ def _device_type(device: object) -> str | None:
     if device is None or isinstance(device, torch.device):
         return None if device is None else device.type
     if not isinstance(device, str):
+        # One line: a long repr (an optimizer's spans many lines) is named by its type.
+        shown = repr(device)
+        if isinstance(device, torch.optim.Optimizer):
+            shown = (f"the optimizer {type(device).__name__}; the optimizer goes to "
+                     "scaler.step(optimizer), not to GradScaler()")
+        elif len(shown) > 40 or "\n" in shown:
+            shown = f"an object of type {type(device).__name__}"
         raise InvalidConfigError(
             f"device must be a device type string such as 'cpu' or 'cuda', a torch.device, or "
-            f"None, got {device!r}."
+            f"None, got {shown}."
         )
     try:
         return torch.device(device).type

@@ -7,7 +7,7 @@ function that carries it out; adding a command is adding one such function. A us
 one line on stderr and returns exit status 2, never a traceback.
 
 Example:
-    >>> main(["report", "/nonexistent/steps.jsonl", "--out", "/tmp/r"])
+    >>> main(["report", "/nonexistent/steps.jsonl"])
     2
 """
 
@@ -25,9 +25,9 @@ from torch import __version__ as torch_version
 
 from . import __version__
 from .errors import LogFormatError, SinkError
-from .observe.records import load_log
+from .observe.records import StepRecord, load_log
 
-__all__ = ["COMMANDS", "CommandError", "build_parser", "main"]
+__all__ = ["COMMANDS", "CommandError", "build_parser", "main", "report_folders"]
 
 USAGE_ERROR = 2
 
@@ -106,17 +106,28 @@ def output_folder(path: Path) -> Path:
 def _add_report(commands: _Commands) -> None:
     parser = commands.add_parser(
         "report",
-        help="plot a step log written by ampscaler.JsonlSink",
+        help="plot step logs written by ampscaler.JsonlSink (or the demo)",
         description=(
-            "Plot a step log written by ampscaler.JsonlSink: the loss scale over steps with "
-            "skipped steps marked (scale.png), skipped steps per window (skips.png) and, when "
-            "the run had a GradientProbe attached, underflow and headroom (probe.png, "
-            "probe_modules.png)."
+            "Plot step logs written by ampscaler.JsonlSink or by the demo: the loss scale over "
+            "steps with skipped steps marked (scale.png), skipped steps per window (skips.png) "
+            "and, when the run had a GradientProbe attached, gradient underflow and headroom "
+            "(probe.png, probe_modules.png). A log of several labelled runs (the demo's) gets "
+            "the per-run charts once per run: skips-LABEL.png, probe-LABEL.png, ... Prints "
+            "one line per run, the charts left out and why, and the files written."
         ),
     )
-    parser.add_argument("log", type=Path, metavar="LOG.jsonl", help="the step log to plot")
     parser.add_argument(
-        "--out", type=Path, required=True, metavar="DIR", help="folder for the PNG files"
+        "logs", type=Path, nargs="+", metavar="LOG.jsonl", help="the step logs to plot"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=(
+            "folder for the PNG files; with several logs, one subfolder per log, named after "
+            "the log's folder (default: LOG-report beside each LOG.jsonl)"
+        ),
     )
     parser.add_argument(
         "--window",
@@ -128,29 +139,65 @@ def _add_report(commands: _Commands) -> None:
     parser.set_defaults(run=_run_report)
 
 
+def report_folders(logs: Sequence[Path], out: Path | None) -> list[Path]:
+    """Where each log's charts go: ``out`` for one log; for several, a subfolder of ``out``
+    per log, named after the folder holding it (``ampscaler-demo-20260101-120000``), else
+    after its file name, else both, else numbered; without ``out``, ``LOG-report`` beside
+    each ``LOG.jsonl``.
+
+    Example:
+        >>> logs = [Path("a/steps.jsonl"), Path("b/steps.jsonl")]
+        >>> [str(folder) for folder in report_folders(logs, Path("plots"))]
+        ['plots/a', 'plots/b']
+        >>> [str(folder) for folder in report_folders([Path("runs/steps.jsonl")], None)]
+        ['runs/steps-report']
+    """
+    if out is None:
+        return [log.parent / f"{log.stem}-report" for log in logs]
+    if len(logs) == 1:
+        return [out]
+    namings: tuple[Callable[[Path], str], ...] = (
+        lambda log: log.resolve().parent.name,
+        lambda log: log.stem,
+        lambda log: f"{log.resolve().parent.name}-{log.stem}",
+    )
+    for naming in namings:
+        names = [naming(log) for log in logs]
+        if all(names) and len(set(names)) == len(names):
+            return [out / name for name in names]
+    return [out / f"{number}-{log.stem}" for number, log in enumerate(logs, start=1)]
+
+
+def _read(path: Path) -> list[StepRecord]:
+    try:
+        log = load_log(path)
+    except OSError as error:
+        raise CommandError(f"cannot read {path} ({error.strerror or error}).") from error
+    if log.cut_short:
+        print(f"{path}: its last line was cut short (a run stopped while writing it); "
+              "1 line left out.")
+    return log.records
+
+
 def _run_report(args: argparse.Namespace) -> int:
     require_extra("report", "report", ["matplotlib"])
-    try:
-        log = load_log(args.log)
-    except OSError as error:
-        raise CommandError(f"cannot read {args.log} ({error.strerror or error}).") from error
-    records = log.records
-    if log.cut_short:
-        print(f"{args.log}: its last line was cut short (a run stopped while writing it); "
-              "1 line left out.")
-    from .report import render_report
+    logs = list(dict.fromkeys(args.logs))  # a log named twice is drawn once
+    records = [_read(path) for path in logs]  # every log is checked before anything is written
+    folders = [output_folder(folder) for folder in report_folders(logs, args.out)]
+    from .report import render_report, report_notes, report_summary
 
-    out = output_folder(args.out)
-    try:
-        paths = render_report(records, out, window=args.window)
-    except OSError as error:
-        raise CommandError(
-            f"cannot write the plots into {out} ({error.strerror or error})."
-        ) from error
-    skipped = sum(r.skipped for r in records)
-    print(f"{len(records)} steps, {skipped} skipped, final scale {records[-1].new_scale:g}")
-    for path in paths:
-        print(path)
+    indent = "  " if len(logs) > 1 else ""
+    for path, run, out in zip(logs, records, folders, strict=True):
+        try:
+            paths = render_report(run, out, window=args.window)
+        except OSError as error:
+            raise CommandError(
+                f"cannot write the plots into {out} ({error.strerror or error})."
+            ) from error
+        if indent:
+            print(f"{path}:")
+        for line in [*report_summary(run), *report_notes(run), *map(str, paths)]:
+            print(indent + line)
     return 0
 
 
@@ -242,6 +289,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             "fp32."
         )
     print(f"Wrote {', '.join(path.name for path in outcome.files)} to {out}/")
+    print(f"Every arm's charts: python -m ampscaler report {out / 'steps.jsonl'}")
     return 0
 
 

@@ -8,12 +8,17 @@ folder:
 - ``summary.json``: ``{"arms": {"fp32": {...}, "fp16_no_scaling": {...}, "fp16_ampscaler":
   {...}}, "config": {...}, "checks": {...}}``; each arm has ``final_loss`` (mean over the last
   10% of steps), ``skipped_steps``, ``final_scale`` (1.0 without a scaler), ``seconds`` and
-  ``underflow`` (the probe's fractions, or ``null``);
+  ``underflow`` (``null`` without the probe): what it ``measured`` (in words), the shares
+  ``flushed_to_zero`` (the table's column) and ``zero_or_subnormal`` over all ``probes``, and
+  the same two shares per layer in ``by_layer``;
 - ``steps.jsonl``: one :class:`~ampscaler.StepRecord` per arm and step, as a line of the step
   log format (:mod:`ampscaler.observe.records`) labelled with the arm's name: ``step``,
-  ``loss``, ``lr``, ``skipped``, ``scale``, ``new_scale`` and, on probed steps, ``probe``;
-- ``loss.png``: the loss curves on one chart; ``scale.png``: the scaled arm's loss scale over
-  steps, skipped steps marked (both scaled arms' with ``policy="headroom"``).
+  ``loss``, ``lr``, ``skipped``, ``scale``, ``new_scale`` and, on probed steps, ``probe``
+  (whose ``activations`` summed over an arm's probes give its ``underflow``);
+  ``python -m ampscaler report`` draws every arm from it;
+- ``loss.png``: the loss curves on one chart, fp32 dashed on top; ``scale.png``: the scaled
+  arm's loss scale over steps, skipped steps marked (both scaled arms' with
+  ``policy="headroom"``).
 
 Needs matplotlib and tqdm (``pip install 'ampscaler[demo]'``).
 """
@@ -26,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -46,6 +51,9 @@ from ampscaler.observe.records import StepRecord
 from ampscaler.policy import HeadroomPolicy
 from ampscaler.scaler import GradScaler
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = [
     "DEMO_FILES",
     "DEMO_THREADS",
@@ -55,6 +63,7 @@ __all__ = [
     "demo_arms",
     "demo_scaler",
     "headroom_scaler",
+    "loss_figure",
     "run_demo",
     "summary_table",
 ]
@@ -122,7 +131,23 @@ class DemoOutcome:
         return (self.results[FP16_AMPSCALER].final_loss - fp32) / fp32
 
 
-def _arm_summary(result: ArmResult) -> dict[str, Any]:
+MEASURED = (
+    "activation gradients: of the elements of the linear layers' output gradients that are "
+    "non-zero in an fp32 reference pass of the same step, the share the arm holds as exactly 0 "
+    "in fp16 (flushed_to_zero) and below 2**-14, 0 included (zero_or_subnormal), over every "
+    "probed step"
+)
+"""What ``summary.json``'s ``underflow`` measures for an fp16 arm, written into it."""
+
+MEASURED_FP32 = (
+    "activation gradients: of the non-zero elements of the linear layers' output gradients, the "
+    "share that would be exactly 0 if rounded to fp16 (flushed_to_zero; fp32 itself flushes "
+    "none) and below 2**-14, 0 included (zero_or_subnormal), over every probed step"
+)
+"""The same for the fp32 arm, whose gradients are their own reference."""
+
+
+def _arm_summary(name: str, result: ArmResult) -> dict[str, Any]:
     underflow = result.underflow
     return {
         "final_loss": result.final_loss,
@@ -132,6 +157,7 @@ def _arm_summary(result: ArmResult) -> dict[str, Any]:
         "underflow": None
         if underflow is None
         else {
+            "measured": MEASURED_FP32 if name == FP32 else MEASURED,
             "flushed_to_zero": underflow.flushed_fraction,
             "zero_or_subnormal": underflow.fraction,
             "probes": underflow.probes,
@@ -141,7 +167,10 @@ def _arm_summary(result: ArmResult) -> dict[str, Any]:
 
 
 def summary_table(outcome: DemoOutcome) -> str:
-    """The summary as a fixed-width text table."""
+    """The summary as a fixed-width text table; its shares are written as
+    ``python -m ampscaler report`` writes them (:func:`ampscaler.report.percent`)."""
+    from ampscaler.report import percent
+
     fp32 = outcome.results[FP32].final_loss
     lines = [
         f"{'arm':<17} {'final loss':>11} {'vs fp32':>8} {'skipped':>8} {'final scale':>12} "
@@ -151,33 +180,39 @@ def summary_table(outcome: DemoOutcome) -> str:
         if result.underflow is None:
             flushed = "-"
         elif name == FP32:  # fp32 flushes nothing: say what fp16 would do to these gradients
-            flushed = f"({result.underflow.flushed_fraction:.1%} in fp16)"
+            flushed = f"({percent(result.underflow.flushed_fraction)} in fp16)"
         else:
-            flushed = f"{result.underflow.flushed_fraction:.1%}"
+            flushed = percent(result.underflow.flushed_fraction)
         lines.append(
             f"{name:<17} {result.final_loss:>11.3e} {result.final_loss / fp32:>7.2f}x "
             f"{result.skipped_steps:>8d} {result.final_scale:>12g} {flushed:>24}"
         )
     if outcome.results[FP32].underflow is not None:
-        lines.append(
-            "(fp32 flushes nothing; in brackets: the share of its activation gradients that "
-            "fp16 would flush to 0)"
-        )
+        lines += [
+            "(fp32 flushes nothing; in brackets: the share of its own activation gradients "
+            "that fp16 would flush to 0,",
+            " more than fp16_no_scaling's: fp32 fits better, and smaller errors make smaller "
+            "gradients)",
+        ]
     return "\n".join(lines)
 
 
-def _plot_losses(results: dict[str, ArmResult], path: Path) -> Path:
+def loss_figure(results: dict[str, ArmResult]) -> Figure:
+    """``loss.png``: every arm's training loss over steps (log axis), the legend in the arms'
+    order, fp32 drawn last, dashed and on top."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(8, 3.6), dpi=100, layout="constrained")
     axes = figure.add_subplot()
+    # fp32, the reference, is drawn last and on top, thin and dashed, so that a scaled arm
+    # that follows it shows as dashes lying on a wider, lighter line.
     styles: dict[str, dict[str, Any]] = {
-        FP32: {"color": "black", "linestyle": "--", "zorder": 3, "linewidth": 1.0},
+        FP32: {"color": "black", "linestyle": (0, (4, 3)), "zorder": 4, "linewidth": 1.1},
         FP16_NO_SCALING: {"color": "#d62728", "linewidth": 1.2},
-        FP16_AMPSCALER: {"color": "#1f77b4", "linewidth": 2.0},
+        FP16_AMPSCALER: {"color": "#1f77b4", "linewidth": 3.0, "alpha": 0.55},
         FP16_HEADROOM: {"color": "#2ca02c", "linewidth": 1.4},
     }
-    for name, result in results.items():
+    for name, result in sorted(results.items(), key=lambda item: item[0] == FP32):
         axes.plot(result.losses, label=name, **styles.get(name, {}))
     axes.set_yscale("log")
     axes.set_xlabel("step")
@@ -185,7 +220,13 @@ def _plot_losses(results: dict[str, ArmResult], path: Path) -> Path:
     ways = {3: "three", 4: "four"}.get(len(results), str(len(results)))
     axes.set_title(f"The same model, data and initialisation, trained {ways} ways")
     axes.grid(True, which="major", alpha=0.3)
-    axes.legend(loc="best")
+    handles, labels = axes.get_legend_handles_labels()
+    order = [labels.index(name) for name in results]  # the legend lists the arms in order
+    axes.legend([handles[i] for i in order], [labels[i] for i in order], loc="best")
+    return figure
+
+
+def _save_png(figure: Figure, path: Path) -> Path:
     figure.savefig(path, format="png")
     return path
 
@@ -225,13 +266,12 @@ def _train_logged(
 
 
 def _scaled_records(results: dict[str, ArmResult]) -> list[StepRecord]:
-    """What scale.png shows: the scaled arm's records; with the headroom arm, both arms' records,
-    labelled by arm (one line each)."""
-    if FP16_HEADROOM not in results:
-        return results[FP16_AMPSCALER].records
+    """What scale.png shows: the scaled arm's records (and the headroom arm's), labelled by
+    arm, so that the chart names each line."""
     return [
         replace(record, label=name)
         for name in (FP16_AMPSCALER, FP16_HEADROOM)
+        if name in results
         for record in results[name].records
     ]
 
@@ -260,7 +300,7 @@ def run_demo(
         torch.set_num_threads(threads)
     outcome = DemoOutcome(results, [])
     summary = {
-        "arms": {name: _arm_summary(result) for name, result in results.items()},
+        "arms": {name: _arm_summary(name, result) for name, result in results.items()},
         "config": {
             "steps": config.steps,
             "lr": config.lr,
@@ -280,7 +320,7 @@ def run_demo(
     files = [
         summary_path,
         steps_path,
-        _plot_losses(results, out / "loss.png"),
+        _save_png(loss_figure(results), out / "loss.png"),
         plot_scale(_scaled_records(results), out / "scale.png"),
     ]
     return DemoOutcome(results, files)

@@ -175,9 +175,14 @@ class UnderflowStats:
         """Share of signal-carrying activation-gradient elements that were exactly zero."""
         return self.total().flushed_fraction
 
-    def by_layer(self) -> dict[str, float]:
-        """``fraction`` per layer name, in the model's order."""
-        return {name: counts.fraction for name, counts in self.layers.items()}
+    def by_layer(self) -> dict[str, dict[str, float]]:
+        """Per layer name, in the model's order, its ``flushed_to_zero`` and
+        ``zero_or_subnormal`` shares (the two measures of :attr:`flushed_fraction` and
+        :attr:`fraction`, named as in ``summary.json``)."""
+        return {
+            name: {"flushed_to_zero": c.flushed_fraction, "zero_or_subnormal": c.fraction}
+            for name, c in self.layers.items()
+        }
 
 
 StepCallback = Callable[[StepRecord], None]

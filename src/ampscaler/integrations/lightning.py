@@ -20,8 +20,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ModuleNotFoundError as error:
+    if (error.name or "").split(".")[0] != "lightning":
+        raise  # Lightning is there but something it imports is not: its own error says what
+    raise ModuleNotFoundError(
+        "ampscaler.integrations.lightning needs Lightning, which is not installed: "
+        "pip install 'ampscaler[lightning]'.",
+        name=error.name,
+    ) from None
 
 from ..errors import InvalidConfigError
 from ..scaler import GradScaler

@@ -1,7 +1,7 @@
 """The underflow and headroom probe: how much of the gradient fp16 loses, and how close to overflow.
 
-Attach one with ``scaler.attach(GradientProbe(every=N))`` (or ``GradScaler(..., probe_every=N)``).
-On the first iteration after attaching and every ``N``-th after it, it measures
+Attach one with ``scaler.attach(GradientProbe(every=N))``. On the first iteration after
+attaching and every ``N``-th after it, it measures
 
 * **underflow** (a): of the non-zero gradient elements at the current scale (as the optimizer's
   gradients hold them before unscaling), the fraction that would flush to zero if stored in fp16
@@ -16,7 +16,16 @@ On the first iteration after attaching and every ``N``-th after it, it measures
   (:class:`UnderflowCounts`). A gradient of another dtype (an fp32 model, or a module autocast
   runs in fp32) is rounded to fp16 first, so for it the counts say what fp16 *would* lose; its
   exact zeros carry no signal and are not counted. An fp16 gradient's zeros are counted: without
-  a reference, nothing tells a flushed element from one that was zero all along.
+  a reference, nothing tells a flushed element from one that was zero all along. A result keeps
+  the worst modules (:attr:`ProbeResult.modules`) and the counts of all of them together
+  (:attr:`ProbeResult.activations`), with the dtypes the gradients were held in.
+
+(a) and (c) measure different gradients. The parameter gradients of (a) are what the optimizer
+gets, and a parameter gradient that fp16 already flushed on the way back is an exact zero that
+(a) cannot tell from a true zero, so it is left out: without loss scaling, (a) stays near 0% while
+most of the signal is gone. The activation gradients of (c) are where the flushing happens; they
+are the measure of the Mixed Precision Training paper, of ``python -m ampscaler demo``'s table,
+and of the top panel of ``python -m ampscaler report``'s ``probe.png``.
 
 **Against an fp32 reference.** An element that is zero in fp16 may have been flushed, or may
 have been zero all along (behind a ReLU, say). To tell them apart, run the same step once more
@@ -73,6 +82,7 @@ __all__ = [
     "ProbeResult",
     "UnderflowCounts",
     "count_underflow",
+    "flushed_wording",
 ]
 
 FP16_MAX = 65504.0
@@ -197,6 +207,11 @@ class ProbeResult:
             subnormal in fp16; worst first.
         module_counts: the counts behind ``modules``, same modules, same order (empty when
             read from older logs, which hold only the fractions).
+        activations: the counts of every measured module together, the kept and the others
+            (``None`` when no module was measured, or read from an older log).
+        activation_dtypes: the dtypes the counted module gradients were held in (``"float16"``,
+            ``"float32"``, ...), sorted: without ``"float16"``, the counts say what fp16
+            *would* do to them.
     """
 
     scale: float
@@ -207,6 +222,8 @@ class ProbeResult:
     headroom_log2: float
     modules: dict[str, float] = field(default_factory=dict)
     module_counts: dict[str, UnderflowCounts] = field(default_factory=dict)
+    activations: UnderflowCounts | None = None
+    activation_dtypes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data; non-finite floats are written as strings (``"inf"``)."""
@@ -219,6 +236,8 @@ class ProbeResult:
             "headroom_log2": _number(self.headroom_log2),
             "modules": dict(self.modules),
             "module_counts": {name: c.as_dict() for name, c in self.module_counts.items()},
+            "activations": None if self.activations is None else self.activations.as_dict(),
+            "activation_dtypes": list(self.activation_dtypes),
         }
 
     @classmethod
@@ -236,7 +255,26 @@ class ProbeResult:
                 str(k): UnderflowCounts.from_dict(v)
                 for k, v in data.get("module_counts", {}).items()
             },
+            activations=None if data.get("activations") is None
+            else UnderflowCounts.from_dict(data["activations"]),
+            activation_dtypes=tuple(str(d) for d in data.get("activation_dtypes", ())),
         )
+
+
+def flushed_wording(dtypes: Sequence[str]) -> str:
+    """How to say "flushed to 0" of activation gradients held in ``dtypes`` (see
+    :attr:`ProbeResult.activation_dtypes`): gradients held in another dtype than float16 are
+    rounded to fp16 to be counted, so for them it is what fp16 *would* do.
+
+    Example:
+        >>> flushed_wording(["float16"]), flushed_wording(["float32"])
+        ('flushed to 0', 'would be flushed to 0 in fp16')
+    """
+    if not dtypes or list(dtypes) == ["float16"]:
+        return "flushed to 0"
+    if "float16" not in dtypes:
+        return "would be flushed to 0 in fp16"
+    return "flushed to 0 (those held in another dtype: would be, in fp16)"
 
 
 def _headroom(largest: float) -> float:
@@ -258,12 +296,14 @@ class PendingProbe:
             three counts per module of ``modules`` (:class:`UnderflowCounts`' fields).
         modules: the modules measured, in the order they were first tapped.
         keep: how many of the worst modules the result keeps (``None``: all).
+        dtypes: the dtypes the modules' gradients were held in, sorted.
     """
 
     elements: int
     values: torch.Tensor
     modules: list[str]
     keep: int | None
+    dtypes: tuple[str, ...] = ()
 
     def finish(self, values: Sequence[float], scale: float) -> ProbeResult:
         """The result from :attr:`values` read back from the device, for gradients at ``scale``."""
@@ -288,6 +328,8 @@ class PendingProbe:
             headroom_log2=_headroom(largest),
             modules={name: c.fraction for name, c in kept.items()},
             module_counts=kept,
+            activations=sum(counts.values(), UnderflowCounts()) if counts else None,
+            activation_dtypes=self.dtypes,
         )
 
     def read(self, scale: float) -> ProbeResult:
@@ -330,8 +372,10 @@ class GradientProbe:
         self._counts: list[torch.Tensor] = []
         self._maxima: list[torch.Tensor] = []
         self._elements = 0
-        # (c): module name -> [carrying signal, underflowed, flushed], summed over its taps.
+        # (c): module name -> [carrying signal, underflowed, flushed], summed over its taps,
+        # and the dtypes those gradients were held in.
         self._modules: dict[str, torch.Tensor] = {}
+        self._dtypes: set[torch.dtype] = set()
 
     @property
     def every(self) -> int:
@@ -386,6 +430,7 @@ class GradientProbe:
             return
         queue = self._reference.get(name)
         counts = _count(values, queue.pop(0) if queue else None)
+        self._dtypes.add(values.dtype)
         previous = self._modules.get(name)
         self._modules[name] = counts if previous is None else previous + counts
 
@@ -436,9 +481,14 @@ class GradientProbe:
             device = next(iter(self._modules.values())).device
         parts += [c.to(device, torch.float64) for c in self._modules.values()]
         pending = PendingProbe(
-            self._elements, torch.cat(parts), list(self._modules), self._worst_modules
+            self._elements,
+            torch.cat(parts),
+            list(self._modules),
+            self._worst_modules,
+            tuple(sorted(str(dtype).removeprefix("torch.") for dtype in self._dtypes)),
         )
         self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
+        self._dtypes = set()
         return pending
 
     def __getstate__(self) -> dict[str, object]:

@@ -40,7 +40,7 @@ from typing import Any
 
 from ..errors import LogFormatError
 from .localize import OverflowReport
-from .probe import ProbeResult
+from .probe import ProbeResult, flushed_wording
 
 __all__ = ["FORMAT", "StepLog", "StepRecord", "load_log", "read_log"]
 
@@ -108,9 +108,15 @@ class StepRecord:
         if self.probe is not None:
             p = self.probe
             text += (
-                f"; probe: {p.underflow_at_scale:.2%} of non-zero gradients underflow at this "
-                f"scale, {p.underflow_at_one:.2%} at scale 1, headroom 2^{p.headroom_log2:.1f}"
+                f"; probe: {p.underflow_at_scale:.2%} of non-zero parameter gradients underflow "
+                f"at this scale, {p.underflow_at_one:.2%} at scale 1, headroom "
+                f"2^{p.headroom_log2:.1f}"
             )
+            if p.activations is not None:
+                text += (
+                    f", activation gradients {flushed_wording(p.activation_dtypes)}: "
+                    f"{p.activations.flushed_fraction:.2%}"
+                )
         return text
 
     def as_dict(self) -> dict[str, Any]:

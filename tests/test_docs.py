@@ -1,0 +1,61 @@
+"""What the README and docs say about running their own snippets and commands."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampscaler import GradScaler
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _python_blocks(name: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / name).read_text(encoding="utf-8"), re.S)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_quickstart_prints_the_two_reports_the_readme_announces(seed: int) -> None:
+    """The README says the Quickstart prints two overflow reports at the starting scale, and
+    that this is the scale finding its ceiling: a changed loop or policy must change the text."""
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "this prints two overflow reports, usually on the first few steps, both at the " \
+        "starting scale (`step 1: non-finite gradients at scale 65536 ...`)" in readme
+    torch.manual_seed(seed)  # the Quickstart's model and data are random
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(_python_blocks("README.md")[0], "README.md", "exec"), {})
+    lines = printed.getvalue().splitlines()
+    assert len(lines) == 2
+    assert all(re.match(r"step \d+: non-finite gradients at scale 65536 ", line) for line in lines)
+
+
+def test_ci_runs_the_readmes_test_command_verbatim() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = re.findall(r"```bash\n(python -m venv .*?)\n```", readme)
+    test_command = next(c for c in commands if c.endswith("python -m pytest -q"))
+    assert test_command in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+
+
+def test_the_tracer_snippet_runs_after_a_clean_iteration() -> None:
+    """docs/diagnostics.md's `last_overflow.origin` snippet, where nothing overflowed: it must
+    not read an attribute of None."""
+    snippet = next(b for b in _python_blocks("docs/diagnostics.md") if ".origin" in b)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = (
+        "scaler.scale(model(torch.ones(2, 4)).sum()).backward()\n"
+        "scaler.step(optimizer)\n"
+        "scaler.update()\n"
+    )
+    code = snippet.replace('"cuda"', '"cpu"').replace("\n...\n", "\n" + step)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code, {"model": model, "optimizer": optimizer, "torch": torch,
+                    "GradScaler": GradScaler})
+    assert printed.getvalue() == ""  # a clean iteration: no overflow, nothing to print
