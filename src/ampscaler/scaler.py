@@ -177,6 +177,10 @@ class GradScaler(
             ``policy`` that is not a policy object.
     """
 
+    #: Whether :meth:`unscale_` accepts float16 gradients (torch's sharded scaler does; a
+    #: subclass sets it, see :class:`~ampscaler.ShardedGradScaler`).
+    _unscale_allows_fp16: bool = False
+
     def __init__(
         self,
         device: str | torch.device | None = None,
@@ -248,6 +252,12 @@ class GradScaler(
         if self._device is None:
             self._device = device.type
         return live
+
+    def _agree_over(self, process_group: GroupSpec) -> None:
+        """Agree on overflow over ``process_group`` from the next check on, as if it had been
+        given to the constructor (for a subclass whose group is known only once
+        torch.distributed is initialized: :class:`~ampscaler.ShardedGradScaler`)."""
+        self._agreement = RankAgreement(process_group)
 
     def _require_state(self, funcname: str) -> LiveState:
         if not isinstance(self._state, LiveState) or self._state.unused_scale is not None:
@@ -399,7 +409,7 @@ class GradScaler(
                 "unscale_() is being called after step(). Call scaler.unscale_(optimizer) "
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
-        groups = self._collect(optimizer, state, allow_fp16=False)
+        groups = self._collect(optimizer, state, allow_fp16=self._unscale_allows_fp16)
         self._check(groups, record, state, _reciprocal(state.scale))
         record.stage = OptState.UNSCALED
 
