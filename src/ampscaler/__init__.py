@@ -25,6 +25,7 @@ from .observe.records import StepRecord, read_log
 from .observe.sinks import JsonlSink, LoggingSink, Sink, StepHistory, TensorBoardSink
 from .policy import HeadroomPolicy, Policy, ScalePolicy, StaticPolicy
 from .scaler import GradScaler, OptState
+from .sharded import ShardedGradScaler
 from .state import ScalerStats
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "ScalePolicy",
     "ScalerStats",
     "ScalerUsageError",
+    "ShardedGradScaler",
     "Sink",
     "SinkError",
     "SpikeGuard",
