@@ -8,6 +8,8 @@ Example:
     >>> scaler = GradScaler("cpu")
 """
 
+from typing import TYPE_CHECKING
+
 from .errors import (
     InvalidConfigError,
     InvalidStateDictError,
@@ -27,6 +29,9 @@ from .policy import HeadroomPolicy, Policy, ScalePolicy, StaticPolicy
 from .scaler import GradScaler, OptState
 from .sharded import ShardedGradScaler
 from .state import ScalerStats
+
+if TYPE_CHECKING:
+    from .integrations.patch import patch_torch, unpatch_torch
 
 __all__ = [
     "CollapseAlert",
@@ -57,7 +62,18 @@ __all__ = [
     "StepHistory",
     "StepRecord",
     "TensorBoardSink",
+    "patch_torch",
     "read_log",
+    "unpatch_torch",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # patch_torch's module imports torch's FSDP scaler: it is imported at first use.
+    if name in ("patch_torch", "unpatch_torch"):
+        from .integrations import patch
+
+        return getattr(patch, name)
+    raise AttributeError(f"module 'ampscaler' has no attribute {name!r}")
