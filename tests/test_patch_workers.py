@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 import ampscaler
+import multirank
 import patched_worker
 from ampscaler.integrations.patch import ENV_VAR, setup_hook
 
-ROOT = Path(__file__).resolve().parent.parent
 STANDINS = "ampscaler.integrations.standins"
 
 
@@ -43,18 +39,11 @@ def test_spawned_pool_workers_build_ampscalers_scaler(monkeypatch: pytest.Monkey
 
 @pytest.mark.slow
 def test_torchrun_ranks_build_ampscalers_sharded_scaler() -> None:
-    env = {
-        **os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
-        ENV_VAR: json.dumps({"device": "cpu", "hysteresis": 2}),
-    }  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "ampscaler", "run", str(ROOT / "tests" / "patched_worker.py")],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    script = str(multirank.ROOT / "tests" / "patched_worker.py")
+    settings = json.dumps({"device": "cpu", "hysteresis": 2})
+    out = multirank.torchrun("-m", "ampscaler", "run", script, env={ENV_VAR: settings})
     reports = sorted(
-        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
+        (json.loads(line) for line in out.splitlines() if line.startswith("{")),
         key=lambda report: report["rank"],
     )
     for rank, report in enumerate(reports):
