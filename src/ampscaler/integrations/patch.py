@@ -155,10 +155,8 @@ def patch_torch(
         sinks: factories of sinks, one per scaler built (for example
             ``[lambda: ampscaler.JsonlSink(f"steps-{os.getpid()}.jsonl")]``).
         configure: a function called with each scaler built, after the rest (to ``watch``,
-            ``attach`` or ``on``).
-
-        Strings in place of ``policy``, the factories and ``configure`` are import paths,
-        ``"package.module:name"``.
+            ``attach`` or ``on``). Strings in place of ``policy``, the factories and
+            ``configure`` are import paths, ``"package.module:name"``.
 
     Returns:
         A :class:`TorchPatch`; ``with patch_torch(...):`` undoes the call at the end of the
