@@ -2,8 +2,8 @@
 knows torch's scaler classes, the way a framework's worker does.
 
 ``describe`` runs in a ``multiprocessing`` pool's worker; ``python tests/patched_worker.py``
-runs as every rank of ``torchrun ... -m ampscaler run tests/patched_worker.py`` and prints one
-JSON line per rank.
+runs as every rank of ``torchrun ... -m ampscaler run tests/patched_worker.py``, and rank 0
+prints every rank's report as one JSON line.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def main() -> None:
     report = describe(scaler)
     report["rank"] = dist.get_rank()
     report["skipped"] = getattr(scaler, "last_step_skipped", None)
-    print(json.dumps(report), flush=True)
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:  # one line: the ranks' prints would interleave
+        print(json.dumps(reports), flush=True)
     dist.destroy_process_group()
 
 

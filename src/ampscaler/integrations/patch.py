@@ -68,7 +68,6 @@ _NAMES: tuple[tuple[str, str, type], ...] = (
 
 # While patched: the object each replaced name held before, by (module, name).
 _originals: dict[tuple[str, str], object] = {}
-_active: PatchSettings | None = None
 
 
 class TorchPatch:
@@ -186,13 +185,12 @@ def patch_torch(
             configure=configure,
         )
     )
-    before = _active
+    before = standins.settings_in_force()
     _activate(settings)
     return TorchPatch(settings, before)
 
 
 def _activate(settings: PatchSettings) -> None:
-    global _active
     if not _originals:
         for module_name, name, stand_in in _NAMES:
             module = importlib.import_module(module_name)
@@ -200,7 +198,6 @@ def _activate(settings: PatchSettings) -> None:
                 _originals[module_name, name] = getattr(module, name)
                 setattr(module, name, stand_in)
     standins.set_settings(settings)
-    _active = settings
 
 
 def unpatch_torch() -> None:
@@ -216,12 +213,10 @@ def unpatch_torch() -> None:
         >>> torch.amp.GradScaler is original
         True
     """
-    global _active
     for (module_name, name), original in _originals.items():
         setattr(importlib.import_module(module_name), name, original)
     _originals.clear()
     standins.set_settings(None)
-    _active = None
 
 
 def setup_hook() -> None:

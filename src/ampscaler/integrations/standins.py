@@ -45,6 +45,7 @@ __all__ = [
     "TorchGradScaler",
     "TorchShardedGradScaler",
     "set_settings",
+    "settings_in_force",
 ]
 
 _settings: PatchSettings | None = None
@@ -54,6 +55,11 @@ def set_settings(settings: PatchSettings | None) -> None:
     """The settings every stand-in applies from now on (``None``: none)."""
     global _settings
     _settings = settings
+
+
+def settings_in_force() -> PatchSettings | None:
+    """What :func:`set_settings` last set."""
+    return _settings
 
 
 class _StandsIn(type):
