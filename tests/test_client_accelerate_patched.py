@@ -6,6 +6,7 @@ state here; the 2-rank FSDP tests (test_sharded_scaler) cover the training itsel
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -73,3 +74,7 @@ def test_use_scaler_builds_fsdp2s_plain_scaler_agreeing_over_the_ranks(
     scaler.update()
     report = scaler.last_overflow
     assert report is not None and report.ranks == (0,)  # agreed over the default group
+    # The accelerator and the scaler hold the group in reference cycles: free them before the
+    # group is destroyed, or its threads outlive the test and a later fork can hang on them.
+    del scaler, report
+    gc.collect()
