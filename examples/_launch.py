@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
+import hashlib
 import os
 from collections.abc import Callable
 
@@ -55,6 +57,37 @@ def report_step(step: int, scale_before: float, scaler: GradScaler, device: torc
             f"{len(scales)} ranks",
             flush=True,
         )
+
+
+def resumable_run_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the arguments of a run that saves a DCP checkpoint or resumes from one;
+    parse with :func:`parse_resumable`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--checkpoint", required=True, help="folder for the DCP checkpoint")
+    parser.add_argument("--save-at", type=int, default=None, help="save after this many steps")
+    parser.add_argument("--resume", action="store_true", help="start from --checkpoint")
+    parser.add_argument("--overflow-at", type=int, default=2, help="step with an overflow")
+    return parser
+
+
+def parse_resumable(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    args = parser.parse_args()
+    if args.resume and args.save_at is not None:
+        parser.error("--resume continues a saved run; --save-at starts one: pass one of them")
+    return args
+
+
+def print_checksum(model: torch.nn.Module, scaler: GradScaler) -> None:
+    """Rank 0 prints the final scale and a checksum of the full parameters and the scaler's
+    state, equal for an uninterrupted run and a resumed one."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.full_tensor().detach().cpu().numpy().tobytes())  # type: ignore[attr-defined]
+    digest.update(repr(sorted(scaler.state_dict().items())).encode())
+    if dist.get_rank() == 0:
+        print(f"final scale {scaler.get_scale():g}, stats {scaler.stats}")
+        print(f"checksum {digest.hexdigest()[:16]}", flush=True)
 
 
 def run(main: Callable[[], None]) -> None:

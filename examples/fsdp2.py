@@ -23,13 +23,17 @@ both ways of getting there. A 2-rank checkpoint also resumes on 4 ranks (``--npr
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _launch import init_distributed, run, sharded_mlp
+from _launch import (
+    init_distributed,
+    parse_resumable,
+    print_checksum,
+    resumable_run_arguments,
+    run,
+    sharded_mlp,
+)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ampscaler import GradScaler, SpikeGuard
@@ -57,16 +61,9 @@ def checkpoint(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--checkpoint", required=True, help="folder for the DCP checkpoint")
-    parser.add_argument("--save-at", type=int, default=None, help="save after this many steps")
-    parser.add_argument("--resume", action="store_true", help="start from --checkpoint")
-    parser.add_argument("--overflow-at", type=int, default=2, help="step with an overflow")
+    parser = resumable_run_arguments(__doc__.splitlines()[0])
     parser.add_argument("--fused", action="store_true", help="fused AdamW")
-    args = parser.parse_args()
-    if args.resume and args.save_at is not None:
-        parser.error("--resume continues a saved run; --save-at starts one: pass one of them")
+    args = parse_resumable(parser)
 
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,13 +104,7 @@ def main() -> None:
             if rank == 0:
                 print(f"saved after {step + 1} steps to {args.checkpoint}", flush=True)
 
-    digest = hashlib.sha256()
-    for param in model.parameters():
-        digest.update(param.full_tensor().detach().cpu().numpy().tobytes())  # type: ignore[attr-defined]
-    digest.update(repr(sorted(scaler.state_dict().items())).encode())
-    if rank == 0:
-        print(f"final scale {scaler.get_scale():g}, stats {scaler.stats}")
-        print(f"checksum {digest.hexdigest()[:16]}", flush=True)
+    print_checksum(model, scaler)
     dist.destroy_process_group()
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -375,3 +377,24 @@ def spawn(world: int, names: list[str]) -> list[dict[str, Any]]:
             torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
             for rank in range(world)
         ]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(*args: str, env: Mapping[str, str] | None = None) -> str:
+    """``torchrun --standalone --nproc-per-node 2 ARGS`` with this checkout's ``src`` on the
+    path (and ``env`` added to the environment); its stdout. Fails on an error or a hang."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def torchrun_example(example: str, *args: str) -> str:
+    """Run ``examples/EXAMPLE ARGS`` on 2 ranks (:func:`torchrun`)."""
+    return torchrun(str(ROOT / "examples" / example), *args)

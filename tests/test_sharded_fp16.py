@@ -4,9 +4,6 @@ safety, a changed world size and tensor parallelism, on real gloo ranks (see
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,23 +128,13 @@ def test_an_overflow_in_one_tensor_parallel_shard_skips_on_every_rank(
 # ---------------------------------------------------------------- the example, under torchrun
 
 
-def _torchrun(*args: str) -> str:
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(root / "examples" / "fsdp2.py"), *args],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
 @pytest.mark.slow
 def test_the_fsdp2_example_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
     folder = str(tmp_path / "ckpt")
-    first = _torchrun("--steps", "6", "--save-at", "3", "--checkpoint", folder)
-    resumed = _torchrun("--steps", "6", "--resume", "--checkpoint", folder)
+    first = multirank.torchrun_example("fsdp2.py", "--steps", "6", "--save-at", "3",
+                                       "--checkpoint", folder)  # fmt: skip
+    resumed = multirank.torchrun_example("fsdp2.py", "--steps", "6", "--resume",
+                                         "--checkpoint", folder)  # fmt: skip
     assert "step 2: nonfinite" in first and "saved after 3 steps" in first
     assert "resumed after 3 steps" in resumed
     checksums = [out.strip().splitlines()[-1] for out in (first, resumed)]

@@ -8,6 +8,8 @@ Example:
     >>> scaler = GradScaler("cpu")
 """
 
+from typing import TYPE_CHECKING
+
 from .errors import (
     InvalidConfigError,
     InvalidStateDictError,
@@ -26,7 +28,11 @@ from .observe.records import StepRecord, read_log
 from .observe.sinks import JsonlSink, LoggingSink, Sink, StepHistory, TensorBoardSink
 from .policy import HeadroomPolicy, Policy, ScalePolicy, StaticPolicy
 from .scaler import GradScaler
+from .sharded import ShardedGradScaler
 from .state import ScalerStats
+
+if TYPE_CHECKING:
+    from .integrations.patch import patch_torch, unpatch_torch
 
 __all__ = [
     "CollapseAlert",
@@ -49,6 +55,7 @@ __all__ = [
     "ScalePolicy",
     "ScalerStats",
     "ScalerUsageError",
+    "ShardedGradScaler",
     "Sink",
     "SinkError",
     "SpikeGuard",
@@ -56,7 +63,18 @@ __all__ = [
     "StepHistory",
     "StepRecord",
     "TensorBoardSink",
+    "patch_torch",
     "read_log",
+    "unpatch_torch",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # patch_torch's module imports torch's FSDP scaler: it is imported at first use.
+    if name in ("patch_torch", "unpatch_torch"):
+        from .integrations import patch
+
+        return getattr(patch, name)
+    raise AttributeError(f"module 'ampscaler' has no attribute {name!r}")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import runpy
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 from torch import __version__ as torch_version
 
 from . import __version__
-from .errors import LogFormatError, SinkError
+from .errors import InvalidConfigError, LogFormatError, SinkError
 from .observe.records import StepRecord, load_log
 
 __all__ = ["COMMANDS", "CommandError", "build_parser", "main", "report_folders"]
@@ -295,9 +297,59 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- entry point
 
+# ---------------------------------------------------------------------- run
+
+
+def _add_run(commands: _Commands) -> None:
+    parser = commands.add_parser(
+        "run",
+        help="run a script or module with torch's scalers patched (settings: AMPSCALER_PATCH)",
+        description=(
+            "Patch torch (ampscaler.patch_torch) with the settings in the environment variable "
+            "AMPSCALER_PATCH, a JSON object such as '{\"hysteresis\": 2}', then run SCRIPT or "
+            "-m MODULE with the arguments after it, as python would. For processes a launcher "
+            "starts: torchrun --nproc-per-node 2 -m ampscaler run train.py --lr 1e-4"
+        ),
+    )
+    parser.add_argument(
+        "-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ...",
+        help="run the module (then its arguments) as python -m does",
+    )  # fmt: skip
+    parser.add_argument(
+        "target", nargs=argparse.REMAINDER, metavar="SCRIPT ...",
+        help="the script to run, then its arguments",
+    )  # fmt: skip
+    parser.set_defaults(run=_run_target)
+
+
+def _run_target(args: argparse.Namespace) -> int:
+    module: list[str] | None = args.module
+    target: list[str] = args.target
+    if not (module or target):
+        raise CommandError(
+            "name what to run: ampscaler run train.py [ARGS], or ampscaler run -m "
+            "package.module [ARGS]."
+        )
+    from .integrations.patch import setup_hook
+
+    try:
+        setup_hook()
+    except InvalidConfigError as error:
+        raise CommandError(str(error)) from error
+    if module:
+        sys.argv = module
+        runpy.run_module(module[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = target
+        sys.path[0] = os.path.dirname(os.path.abspath(target[0]))  # as python script.py does
+        runpy.run_path(target[0], run_name="__main__")
+    return 0
+
+
 COMMANDS: tuple[Callable[[_Commands], None], ...] = (
     _add_demo,
     _add_report,
+    _add_run,
 )
 
 

@@ -190,6 +190,10 @@ class GradScaler(TorchPrivateNames):
             ``policy`` that is not a policy object.
     """
 
+    #: Whether :meth:`unscale_` accepts float16 gradients (torch's sharded scaler does; a
+    #: subclass sets it, see :class:`~ampscaler.ShardedGradScaler`).
+    _unscale_allows_fp16: bool = False
+
     def __init__(
         self,
         device: str | torch.device | None = None,
@@ -351,7 +355,7 @@ class GradScaler(TorchPrivateNames):
         self._unscale(record, live)
 
     def _unscale(self, record: OptimizerRecord, live: LiveState) -> None:
-        groups = self._collect(record.optimizer, live, allow_fp16=False)
+        groups = self._collect(record.optimizer, live, allow_fp16=self._unscale_allows_fp16)
         self._check(groups, record, live, _reciprocal(live))
         record.stage = OptState.UNSCALED
 
@@ -753,6 +757,15 @@ class GradScaler(TorchPrivateNames):
             restore_guards()
         if self._agreement is not None:
             self._agreement.recheck()  # the ranks compare what they loaded at the next step
+
+    def _agree_over(self, process_group: GroupSpec) -> None:
+        """Agree on overflow over ``process_group`` from the next check on, as if it had been
+        given to the constructor (for a subclass whose group is known only once
+        torch.distributed is initialized: :class:`~ampscaler.ShardedGradScaler`)."""
+        self._agreement = RankAgreement(process_group)
+        if self._meter is not None:  # measured values are agreed over the group from now on
+            self._meter.detach()
+            self._meter = self._new_meter(self._state.policy, 0)
 
     def _new_meter(self, policy: Policy, iteration: int) -> Meter | None:
         """The meter ``policy`` asks for, watching the models watched so far."""

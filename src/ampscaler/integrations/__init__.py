@@ -10,4 +10,7 @@ optional:
 - :mod:`ampscaler.integrations.transformers` (``pip install ampscaler[transformers]``): installs
   one into a ``transformers.Trainer`` (through its accelerator), which also makes
   ``fp16=True`` train in fp16 on a CPU.
+- :mod:`ampscaler.integrations.patch` (no extra): ``patch_torch()``, which makes torch's own
+  scaler names build ampscaler's scalers, for frameworks that build torch's themselves, and
+  ``setup_hook`` for their worker processes (settings in ``AMPSCALER_PATCH``).
 """

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidConfigError, ScalerUsageError
 from ..scaler import GradScaler
+from ..sharded import ShardedGradScaler
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -31,10 +32,6 @@ __all__ = ["use_scaler"]
 _UNSUPPORTED = {
     "DEEPSPEED": "DeepSpeed scales the loss inside its own engine",
     "MEGATRON_LM": "Megatron-LM scales the loss inside its own optimizer",
-    "FSDP": (
-        "FSDP shards gradients, so each rank checks only its shard; Accelerate uses torch's "
-        "ShardedGradScaler, which agrees on overflow across ranks"
-    ),
 }
 
 
@@ -68,6 +65,13 @@ def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> Gr
         >>> scaler.stats.steps
         1
 
+    With FSDP, Accelerate builds torch's ``ShardedGradScaler`` for FSDP1 (flat shards) and a
+    plain ``GradScaler`` for FSDP2 (DTensor shards). Without ``scaler``, ``use_scaler`` builds
+    their ampscaler counterparts: a :class:`~ampscaler.ShardedGradScaler` for FSDP1, and for
+    FSDP2 a :class:`~ampscaler.GradScaler` whose ``process_group`` is the default group (the
+    ranks agree on overflow as torch's DTensor check makes them, and the overflow report names
+    the ranks). A scaler given for FSDP1 must be a :class:`~ampscaler.ShardedGradScaler`.
+
     Args:
         accelerator: an ``accelerate.Accelerator`` built with ``mixed_precision="fp16"``.
         scaler: the scaler to use; its device must be the accelerator's device type.
@@ -76,8 +80,9 @@ def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> Gr
         The scaler now in ``accelerator.scaler``.
 
     Raises:
-        InvalidConfigError: (a ``ValueError``) mixed precision other than fp16, a DeepSpeed,
-            Megatron-LM or FSDP backend, or a scaler for another device type.
+        InvalidConfigError: (a ``ValueError``) mixed precision other than fp16, a DeepSpeed or
+            Megatron-LM backend, a scaler for another device type, or for FSDP1 one that is
+            not a :class:`~ampscaler.ShardedGradScaler`.
         ScalerUsageError: (a ``RuntimeError``) a model or optimizer was already prepared.
     """
     if accelerator.mixed_precision != "fp16":
@@ -100,10 +105,16 @@ def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> Gr
             "use_scaler(accelerator) right after Accelerator(...)."
         )
     device = accelerator.device.type
+    flat_shards = backend == "FSDP" and not accelerator.is_fsdp2
     if scaler is None:
-        handler = accelerator.scaler_handler
-        kwargs = handler.to_kwargs() if handler is not None else {}
-        scaler = GradScaler(device, **kwargs)
+        scaler = _scaler_for(accelerator, device, backend == "FSDP", flat_shards)
+    elif flat_shards and not isinstance(scaler, ShardedGradScaler):
+        raise InvalidConfigError(
+            "Accelerate's FSDP backend (version 1) keeps each rank's flat shard of the "
+            "gradients, as plain tensors, so the ranks must agree on overflow, where torch's "
+            "ShardedGradScaler is used: pass ampscaler.ShardedGradScaler(...), or no scaler "
+            "and use_scaler builds one."
+        )
     elif scaler._device not in (None, device):
         raise InvalidConfigError(
             f"The scaler was built for {scaler._device!r} but the accelerator runs on "
@@ -121,6 +132,20 @@ def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> Gr
 
     accelerator.prepare_optimizer = prepare_reporting_kernel_skips
     return scaler
+
+
+def _scaler_for(accelerator: Accelerator, device: str, fsdp: bool, flat_shards: bool) -> GradScaler:
+    """The ampscaler counterpart of the scaler Accelerate builds for ``accelerator``, from its
+    ``GradScalerKwargs`` handler (if any)."""
+    handler = accelerator.scaler_handler
+    kwargs = handler.to_kwargs() if handler is not None else {}
+    if flat_shards:  # FSDP1: torch's ShardedGradScaler
+        return ShardedGradScaler(device, **kwargs)
+    if fsdp:  # FSDP2: a plain GradScaler; the ranks agree over the default group
+        import torch.distributed as dist
+
+        return GradScaler(device, **kwargs, process_group=dist.group.WORLD)
+    return GradScaler(device, **kwargs)
 
 
 def _report_kernel_skips(prepared: Any, scaler: GradScaler) -> None:

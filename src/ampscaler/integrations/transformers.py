@@ -116,12 +116,16 @@ def _check_arguments(trainer: Any) -> None:
         )
     for enabled, name in (
         (trainer.is_deepspeed_enabled, "DeepSpeed (deepspeed=...), which scales inside its engine"),
-        (trainer.is_fsdp_enabled, "FSDP (fsdp=...), which shards gradients"),
+        (
+            trainer.is_fsdp_enabled,
+            "FSDP (fsdp=...): Accelerate builds torch's FSDP scaler when the Trainer is built; "
+            "call ampscaler.patch_torch() before building the Trainer to make it ampscaler's",
+        ),
     ):
         if enabled:
             raise InvalidConfigError(
-                f"use_scaler_in_trainer() does not support {name}: keep its own loss scaling "
-                "(the migration guide maps DeepSpeed's fp16 options to ampscaler's)."
+                f"use_scaler_in_trainer() does not support {name} (the migration guide maps "
+                "DeepSpeed's fp16 options to ampscaler's)."
             )
     accelerator = trainer.accelerator
     if trainer.is_in_train or trainer.state.global_step > 0:

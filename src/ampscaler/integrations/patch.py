@@ -1,0 +1,245 @@
+"""``patch_torch()``: from the call on, code that builds torch's loss scalers builds ampscaler's.
+
+Frameworks construct ``torch.amp.GradScaler`` or torch's ``ShardedGradScaler`` in code you do
+not own, often in processes you do not start (Lightning's ``MixedPrecision`` plugin,
+Accelerate, verl's FSDP actor inside a Ray worker). :func:`patch_torch` replaces torch's names
+with stand-ins (:mod:`ampscaler.integrations.standins`) that build ampscaler's scalers, with
+torch's defaults and the settings given (:mod:`ampscaler.integrations.patch_settings`);
+:func:`unpatch_torch` puts torch's objects back. The names replaced, where the installed torch
+has them:
+
+- ``torch.amp.GradScaler``, ``torch.amp.grad_scaler.GradScaler``;
+- ``torch.cuda.amp.GradScaler``, ``torch.cuda.amp.grad_scaler.GradScaler`` (deprecated);
+- ``torch.cpu.amp.GradScaler``, ``torch.cpu.amp.grad_scaler.GradScaler`` (deprecated);
+- ``torch.distributed.fsdp.ShardedGradScaler`` (older torch) and
+  ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
+
+Code that reads the name when it builds the scaler (``torch.amp.GradScaler(...)``, or an import
+inside a function, as Lightning, Accelerate and verl do) gets ampscaler's. Code that imported
+the class *before* the patch (``from torch.amp import GradScaler`` at the top of a module
+imported earlier) keeps torch's, for construction and for ``isinstance``: patch before
+importing it.
+
+In processes a framework starts, :func:`setup_hook` patches with the settings in the
+environment variable ``AMPSCALER_PATCH`` (JSON): Ray's ``worker_process_setup_hook``, a
+``multiprocessing`` pool's ``initializer``, or ``python -m ampscaler run`` for torchrun.
+
+Example:
+    >>> import torch, ampscaler
+    >>> with ampscaler.patch_torch(hysteresis=2):
+    ...     scaler = torch.amp.GradScaler("cpu")     # what a framework's code would do
+    ...     isinstance(scaler, torch.amp.GradScaler), isinstance(scaler, ampscaler.GradScaler)
+    (True, True)
+    >>> scaler.policy.hysteresis, torch.amp.GradScaler is torch.amp.grad_scaler.GradScaler
+    (2, True)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from . import standins
+from .patch_settings import PatchSettings, checked, from_json
+
+if TYPE_CHECKING:
+    from ..policy import Policy
+    from ..scaler import GradScaler
+
+__all__ = ["ENV_VAR", "TorchPatch", "patch_torch", "setup_hook", "unpatch_torch"]
+
+#: The environment variable :func:`setup_hook` reads its settings from (a JSON object).
+ENV_VAR = "AMPSCALER_PATCH"
+
+_NAMES: tuple[tuple[str, str, type], ...] = (
+    ("torch.amp", "GradScaler", standins.TorchGradScaler),
+    ("torch.amp.grad_scaler", "GradScaler", standins.TorchGradScaler),
+    ("torch.cuda.amp", "GradScaler", standins.TorchCudaGradScaler),
+    ("torch.cuda.amp.grad_scaler", "GradScaler", standins.TorchCudaGradScaler),
+    ("torch.cpu.amp", "GradScaler", standins.TorchCpuGradScaler),
+    ("torch.cpu.amp.grad_scaler", "GradScaler", standins.TorchCpuGradScaler),
+    ("torch.distributed.fsdp", "ShardedGradScaler", standins.TorchShardedGradScaler),
+    ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler",
+     standins.TorchShardedGradScaler),
+)  # fmt: skip
+
+# While patched: the object each replaced name held before, by (module, name).
+_originals: dict[tuple[str, str], object] = {}
+
+
+class TorchPatch:
+    """What one :func:`patch_torch` call did. As a context manager it undoes that call on
+    exit: torch as it was before the call (unpatched, or patched with the earlier settings).
+
+    Attributes:
+        settings: the settings this call put in force.
+    """
+
+    def __init__(self, settings: PatchSettings, before: PatchSettings | None) -> None:
+        self.settings = settings
+        self._before = before
+
+    def __enter__(self) -> TorchPatch:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._before is None:
+            unpatch_torch()
+        else:
+            _activate(self._before)
+
+    def __repr__(self) -> str:
+        return f"TorchPatch({self.settings})"
+
+
+def patch_torch(
+    *,
+    device: str | None = None,
+    init_scale: float | None = None,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    growth_interval: int | None = None,
+    policy: Policy | str | None = None,
+    hysteresis: int | None = None,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    max_consecutive_skips: int | None = None,
+    flat_grads: bool | None = None,
+    guards: Sequence[Callable[[], Any] | str] = (),
+    sinks: Sequence[Callable[[], Any] | str] = (),
+    configure: Callable[[GradScaler], object] | str | None = None,
+) -> TorchPatch:
+    """Make torch's scaler names build ampscaler's scalers, with these settings, from now on.
+
+    Each scaler built through torch's names gets torch's arguments as the call gave them,
+    torch's defaults for the rest (``torch.amp.GradScaler()`` is for ``"cuda"``, as in torch),
+    and the settings. Calling it again replaces the settings (torch's names stay patched once);
+    :func:`unpatch_torch` restores torch's own objects. Use it before the framework builds its
+    scaler, and before importing a framework that imports torch's class at module level.
+    Nothing syncs here; the scalers built sync as documented for
+    :class:`~ampscaler.GradScaler`.
+
+    Example:
+        >>> import torch, ampscaler
+        >>> patch = ampscaler.patch_torch(max_consecutive_skips=50, device="cpu")
+        >>> torch.amp.GradScaler().get_scale()          # device from the settings
+        65536.0
+        >>> ampscaler.unpatch_torch()
+        >>> torch.amp.GradScaler.__module__
+        'torch.amp.grad_scaler'
+
+    Args:
+        device: the device for calls that give none (torch's default is ``"cuda"``).
+        init_scale: for calls that give none (torch's default: ``2.0**16``); likewise
+            ``growth_factor``, ``backoff_factor`` and ``growth_interval``. A call that gives
+            another value than the setting is refused (``InvalidConfigError``).
+        policy: the :class:`~ampscaler.ScalePolicy`, :class:`~ampscaler.StaticPolicy` or
+            :class:`~ampscaler.HeadroomPolicy` of every scaler (policies hold no state, so
+            one is shared), or its import path. A call whose rule arguments the policy
+            contradicts is refused; use ``hysteresis``, ``min_scale`` and ``max_scale``, which
+            combine with the call's arguments, to keep torch's rule with ampscaler's additions.
+        hysteresis: as :class:`~ampscaler.GradScaler`'s; likewise ``min_scale``,
+            ``max_scale``, ``max_consecutive_skips`` and ``flat_grads``.
+        guards: factories called once per scaler built, each returning a guard for it (for
+            example ``[ampscaler.SpikeGuard]`` or ``[lambda: SpikeGuard(sigma=8.0)]``): a
+            guard holds the run's history, so scalers never share one.
+        sinks: factories of sinks, one per scaler built (for example
+            ``[lambda: ampscaler.JsonlSink(f"steps-{os.getpid()}.jsonl")]``).
+        configure: a function called with each scaler built, after the rest (to ``watch``,
+            ``attach`` or ``on``). Strings in place of ``policy``, the factories and
+            ``configure`` are import paths, ``"package.module:name"``.
+
+    Returns:
+        A :class:`TorchPatch`; ``with patch_torch(...):`` undoes the call at the end of the
+        block.
+
+    Raises:
+        InvalidConfigError: a setting out of range, ``policy`` with ``hysteresis``,
+            ``min_scale`` or ``max_scale``, an import path that does not import. Torch is
+            then left as it was.
+        TypeError: an unknown setting; a guard or sink given as an object, not a factory.
+    """
+    settings = checked(
+        PatchSettings(
+            device=device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            policy=policy,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            max_consecutive_skips=max_consecutive_skips,
+            flat_grads=flat_grads,
+            guards=guards,
+            sinks=sinks,
+            configure=configure,
+        )
+    )
+    before = standins.settings_in_force()
+    _activate(settings)
+    return TorchPatch(settings, before)
+
+
+def _activate(settings: PatchSettings) -> None:
+    if not _originals:
+        for module_name, name, stand_in in _NAMES:
+            module = importlib.import_module(module_name)
+            if hasattr(module, name):
+                _originals[module_name, name] = getattr(module, name)
+                setattr(module, name, stand_in)
+    standins.set_settings(settings)
+
+
+def unpatch_torch() -> None:
+    """Put torch's own objects back under every name :func:`patch_torch` replaced (the very
+    objects, so ``torch.amp.GradScaler is`` what it was). Does nothing when torch is not
+    patched. Scalers already built stay ampscaler's.
+
+    Example:
+        >>> import torch, ampscaler
+        >>> original = torch.amp.GradScaler
+        >>> _ = ampscaler.patch_torch()
+        >>> ampscaler.unpatch_torch()
+        >>> torch.amp.GradScaler is original
+        True
+    """
+    for (module_name, name), original in _originals.items():
+        setattr(importlib.import_module(module_name), name, original)
+    _originals.clear()
+    standins.set_settings(None)
+
+
+def setup_hook() -> None:
+    """Patch torch in this process with the settings in the environment variable
+    ``AMPSCALER_PATCH`` (a JSON object of :func:`patch_torch`'s settings; unset: none).
+
+    For processes a framework starts: Ray workers (``runtime_env={"worker_process_setup_hook":
+    "ampscaler.integrations.patch.setup_hook", "env_vars": {"AMPSCALER_PATCH": ...}}``), a
+    ``multiprocessing`` pool (``Pool(initializer=setup_hook)``), and torchrun's children
+    through ``torchrun ... -m ampscaler run train.py`` (see :mod:`ampscaler.cli`).
+
+    Example:
+        >>> import os, torch
+        >>> os.environ["AMPSCALER_PATCH"] = '{"hysteresis": 2, "device": "cpu"}'
+        >>> setup_hook()
+        >>> torch.amp.GradScaler().policy.hysteresis
+        2
+        >>> unpatch_torch(); del os.environ["AMPSCALER_PATCH"]
+
+    Raises:
+        InvalidConfigError: naming the variable and its value: not JSON, not an object, an
+            unknown setting, or a setting :func:`patch_torch` refuses.
+    """
+    text = os.environ.get(ENV_VAR)
+    settings = PatchSettings() if text is None else from_json(text, ENV_VAR)
+    _activate(settings)

@@ -1,0 +1,154 @@
+"""The classes that stand in for torch's scaler classes while torch is patched
+(:func:`~ampscaler.patch_torch`).
+
+Each one takes its torch class's arguments, with its torch class's defaults (bound to the
+installed torch's own signature, so a wrong call fails with torch's ``TypeError``), fills in
+what the call left out from the settings in force, and builds ampscaler's scaler:
+
+==============================================  ==================================  ==========
+torch's name                                    stand-in                            device
+==============================================  ==================================  ==========
+``torch.amp.GradScaler``                        :class:`TorchGradScaler`            ``"cuda"``
+``torch.cuda.amp.GradScaler`` (deprecated)      :class:`TorchCudaGradScaler`        ``"cuda"``
+``torch.cpu.amp.GradScaler`` (deprecated)       :class:`TorchCpuGradScaler`         ``"cpu"``
+``...fsdp.sharded_grad_scaler.ShardedGradScaler``  :class:`TorchShardedGradScaler`  ``"cuda"``
+==============================================  ==================================  ==========
+
+``isinstance`` and ``issubclass`` against a stand-in accept what they accepted against torch's
+class (torch's scalers, made before the patch too) and ampscaler's scalers of the same kind:
+any ampscaler scaler is a ``torch.amp.GradScaler`` while patched, an ampscaler
+``ShardedGradScaler`` a ``ShardedGradScaler``. The deprecated names warn as torch's do.
+
+A stand-in referenced after :func:`~ampscaler.unpatch_torch` (by code that took it while
+patched) still builds ampscaler's scaler, with torch's defaults and no settings.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from torch.amp.grad_scaler import GradScaler as _TorchAmp
+from torch.cpu.amp.grad_scaler import GradScaler as _TorchCpu
+from torch.cuda.amp.grad_scaler import GradScaler as _TorchCuda
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchSharded
+
+from ..scaler import GradScaler
+from ..sharded import ShardedGradScaler
+from .patch_settings import PatchSettings, merged_arguments
+
+__all__ = [
+    "TorchCpuGradScaler",
+    "TorchCudaGradScaler",
+    "TorchGradScaler",
+    "TorchShardedGradScaler",
+    "set_settings",
+    "settings_in_force",
+]
+
+_settings: PatchSettings | None = None
+
+
+def set_settings(settings: PatchSettings | None) -> None:
+    """The settings every stand-in applies from now on (``None``: none)."""
+    global _settings
+    _settings = settings
+
+
+def settings_in_force() -> PatchSettings | None:
+    """What :func:`set_settings` last set."""
+    return _settings
+
+
+class _StandsIn(type):
+    """Metaclass of the stand-ins: ``isinstance``/``issubclass`` against a stand-in itself (not
+    against a class derived from it) also accept the classes in its ``_also_accepts``."""
+
+    _also_accepts: tuple[type, ...]
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        also = cls.__dict__.get("_also_accepts", ())
+        return type.__instancecheck__(cls, instance) or isinstance(instance, also)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        also = cls.__dict__.get("_also_accepts", ())
+        return type.__subclasscheck__(cls, subclass) or issubclass(subclass, also)
+
+
+def _build(
+    scaler: GradScaler,
+    torch_class: type,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    init: Callable[..., None],
+    device: str | None = None,
+) -> None:
+    """Build ``scaler`` with ``init`` for a call of ``torch_class`` (whose name fixes the
+    ``device``, for torch's deprecated names)."""
+    signature = inspect.signature(torch_class)
+    given = signature.bind(*args, **kwargs).arguments  # torch's TypeError for a wrong call
+    if device is not None:
+        given = {"device": device, **given}
+    defaults = {
+        name: p.default for name, p in signature.parameters.items() if p.default is not p.empty
+    }
+    settings = _settings or PatchSettings()
+    call = f"{torch_class.__module__}.{torch_class.__qualname__}"
+    init(scaler, **merged_arguments(settings, call, given, defaults))
+    settings.apply(scaler)
+
+
+def _deprecated(device: str) -> None:
+    warnings.warn(
+        f"`torch.{device}.amp.GradScaler(args...)` is deprecated. Please use "
+        f"`torch.amp.GradScaler('{device}', args...)` instead.",
+        FutureWarning,
+        stacklevel=4,
+    )
+
+
+class TorchGradScaler(GradScaler, metaclass=_StandsIn):
+    """``torch.amp.GradScaler`` while torch is patched: ampscaler's
+    :class:`~ampscaler.GradScaler`, built with torch's arguments and defaults (``device``
+    defaults to ``"cuda"``, as in torch) and the settings of :func:`~ampscaler.patch_torch`."""
+
+    _also_accepts: ClassVar[tuple[type, ...]] = (GradScaler, _TorchAmp)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _build(self, _TorchAmp, args, kwargs, GradScaler.__init__)
+
+
+class TorchCudaGradScaler(TorchGradScaler):
+    """``torch.cuda.amp.GradScaler`` while torch is patched (deprecated in torch, with its
+    warning): ``torch.amp.GradScaler("cuda", ...)``."""
+
+    _also_accepts: ClassVar[tuple[type, ...]] = (_TorchCuda,)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _deprecated("cuda")
+        _build(self, _TorchCuda, args, kwargs, GradScaler.__init__, "cuda")
+
+
+class TorchCpuGradScaler(TorchGradScaler):
+    """``torch.cpu.amp.GradScaler`` while torch is patched (deprecated in torch, with its
+    warning): ``torch.amp.GradScaler("cpu", ...)``."""
+
+    _also_accepts: ClassVar[tuple[type, ...]] = (_TorchCpu,)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _deprecated("cpu")
+        _build(self, _TorchCpu, args, kwargs, GradScaler.__init__, "cpu")
+
+
+class TorchShardedGradScaler(ShardedGradScaler, metaclass=_StandsIn):
+    """``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` while torch is patched:
+    ampscaler's :class:`~ampscaler.ShardedGradScaler` with torch's arguments and defaults
+    (``device="cuda"``; ``process_group``: the default group) and the settings of
+    :func:`~ampscaler.patch_torch`."""
+
+    _also_accepts: ClassVar[tuple[type, ...]] = (ShardedGradScaler, _TorchSharded)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _build(self, _TorchSharded, args, kwargs, ShardedGradScaler.__init__)
