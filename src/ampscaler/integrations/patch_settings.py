@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidConfigError
-from ..policy import HeadroomPolicy, Policy, ScalePolicy, StaticPolicy
+from ..errors import InvalidConfigError, ScalerUsageError
+from ..policy import Policy, require_policy
 from ..scaler import GradScaler
 
 __all__ = ["TORCH_ARGUMENTS", "PatchSettings", "checked", "from_json", "merged_arguments"]
@@ -126,14 +126,11 @@ def _factory(value: object, setting: str) -> Factory:
 def _policy(value: object) -> Policy:
     if isinstance(value, str):
         value = _imported(value, "policy")
-        if callable(value) and not isinstance(value, (ScalePolicy, StaticPolicy, HeadroomPolicy)):
+        if callable(value):  # a class or a function that returns a policy (policies are not)
             value = value()
-    if not isinstance(value, (ScalePolicy, StaticPolicy, HeadroomPolicy)):
-        raise InvalidConfigError(
-            "policy must be an ampscaler policy (ScalePolicy, StaticPolicy, HeadroomPolicy), or "
-            f"the import path of one or of a function returning one, got {value!r}."
-        )
-    return value
+    return require_policy(
+        value, "or the import path of one or of a function returning one"
+    )
 
 
 def _device(value: object) -> str:
@@ -212,6 +209,7 @@ def merged_arguments(
     arguments.update(settings.given(_EXTRAS))
     policy = settings.policy
     if policy is not None:
+        policy = _policy(policy)  # resolved already by checked(); an import path otherwise
         for name in _RULE:
             value = arguments.pop(name, None)
             if name in given or settings.given([name]):
@@ -219,9 +217,12 @@ def merged_arguments(
     return arguments
 
 
-def _agrees_with_policy(policy: object, name: str, value: object, call: str) -> None:
-    if isinstance(policy, ScalePolicy) and getattr(policy, name) == value:
-        return
+def _agrees_with_policy(policy: Policy, name: str, value: object, call: str) -> None:
+    try:
+        if policy.with_rule(call, **{name: value}) == policy:
+            return  # the policy moves the scale with that very number
+    except (ScalerUsageError, InvalidConfigError):
+        pass  # a policy without torch's rule, or a value no rule takes
     raise InvalidConfigError(
         f"{call} sets {name}={value!r} while ampscaler.patch_torch(policy={policy}) is in force, "
         f"which does not move the scale with that {name}. Give patch_torch the rule as settings "

@@ -63,6 +63,7 @@ __all__ = [
     "policy_from_arguments",
     "policy_from_state_dict",
     "pow2_exponent",
+    "require_policy",
 ]
 
 #: The built-in policies, by the name checkpoints know them by (a user's own policy is known
@@ -87,18 +88,30 @@ def policy_from_arguments(policy: object, rule: Mapping[str, Any]) -> Policy:
     changed = [name for name, value in rule.items() if value != _RULE_DEFAULTS[name]]
     if policy is None:
         return ScalePolicy(**rule)
-    if not isinstance(policy, Policy):
-        raise InvalidConfigError(
-            "policy must be an ampscaler.ScalePolicy or ampscaler.StaticPolicy, an "
-            "ampscaler.HeadroomPolicy, or an object of your own subclass of ampscaler.Policy, "
-            f"got {type(policy).__name__}."
-        )
+    chosen = require_policy(policy)
     if changed:
         raise InvalidConfigError(
             f"Pass either policy= or the policy's keyword arguments, not both: got "
-            f"policy={policy} and {', '.join(changed)}. Put them into the policy."
+            f"policy={chosen} and {', '.join(changed)}. Put them into the policy."
         )
-    return policy
+    return chosen
+
+
+def require_policy(value: object, also: str = "") -> Policy:
+    """``value`` if it is a policy object.
+
+    Raises:
+        InvalidConfigError: anything else, naming what it got (``also`` adds to what is
+            accepted).
+    """
+    if isinstance(value, Policy):
+        return value
+    accepted = "" if not also else f", {also}"
+    raise InvalidConfigError(
+        "policy must be an ampscaler.ScalePolicy or ampscaler.StaticPolicy, an "
+        "ampscaler.HeadroomPolicy, or an object of your own subclass of ampscaler.Policy"
+        f"{accepted}, got {type(value).__name__}."
+    )
 
 
 def _legacy_kind(saved: Mapping[str, Any]) -> str | None:
