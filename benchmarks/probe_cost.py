@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ampscaler import GradientProbe, GradScaler
+from ampscaler import GradientProbe, GradScaler, NonFiniteTracer, StepHistory
 
 
 def make_model(width: int, depth: int) -> torch.nn.Sequential:
@@ -67,15 +67,30 @@ class Arm:
         return (time.perf_counter() - start) / len(batches)
 
 
+def _observed(probe_every: int | None = None, history: bool = True) -> GradScaler:
+    """A scaler with a history of 1000 records and a probe every ``probe_every`` steps."""
+    scaler = GradScaler("cpu")
+    if history:
+        scaler.add_sink(StepHistory(1000))
+    if probe_every is not None:
+        scaler.attach(GradientProbe(every=probe_every))
+    return scaler
+
+
+def _traced() -> GradScaler:
+    scaler = GradScaler("cpu")
+    scaler.attach(NonFiniteTracer())
+    return scaler
+
+
 def arms() -> list[Arm]:
-    history = {"history_size": 1000}
     return [
         Arm("torch.amp.GradScaler", lambda: torch.amp.GradScaler("cpu")),
         Arm("off", lambda: GradScaler("cpu")),
-        Arm("history (1 sync/step)", lambda: GradScaler("cpu", **history)),
-        Arm("probe every 100", lambda: GradScaler("cpu", probe_every=100, **history)),
-        Arm("probe every 1", lambda: GradScaler("cpu", probe_every=1, **history)),
-        Arm("trace_nonfinite", lambda: GradScaler("cpu", trace_nonfinite=True)),
+        Arm("history (1 sync/step)", lambda: _observed()),
+        Arm("probe every 100", lambda: _observed(probe_every=100)),
+        Arm("probe every 1", lambda: _observed(probe_every=1)),
+        Arm("NonFiniteTracer", _traced),
     ]
 
 

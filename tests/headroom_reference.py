@@ -38,7 +38,7 @@ class HeadroomRef:
     margin: float = 2.0
     history_length: int = 16
     backoff_factor: float = 0.5
-    recovery_interval: int = 2000
+    recovery_interval: int = 16
     first_scale: float = 1.0
     min_scale: float | None = None
     max_scale: float | None = None

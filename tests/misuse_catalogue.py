@@ -62,7 +62,7 @@ class Misuse:
     deviation: str = ""
 
 
-_C, _O, _N, _S, _K, _H, _R = (
+_C, _O, _N, _S, _K, _H, _R, _P = (
     "Constructor arguments",
     "Call order",
     "update(new_scale)",
@@ -70,6 +70,7 @@ _C, _O, _N, _S, _K, _H, _R = (
     "Other calls",
     "Guards, watches and summaries",
     "HeadroomPolicy",
+    "Replay (attempts())",
 )
 _CFG = ampscaler.InvalidConfigError
 _USE = ampscaler.ScalerUsageError
@@ -267,6 +268,23 @@ CASES: tuple[Misuse, ...] = (
         'scaler.load_state_dict({**saved, "headroom": {**saved["headroom"], "history": [1.0]}})',
         _SD, ("headroom['history']", "history_length"), "model", in_torch=False,
     ),
+    Misuse(_P, "next(iter(scaler.attempts(max_attempts=0)))", _CFG, ("max_attempts", ">= 1"),
+           "model", in_torch=False),
+    Misuse(
+        _P,
+        "for _ in scaler.attempts(): scaler.scale(model(torch.ones(1, 2)).sum()).backward(); "
+        "scaler.step(opt)",
+        _USE, ("did not call update()", "exactly once"), "model", in_torch=False,
+    ),
+    Misuse(
+        _P,
+        "for _ in scaler.attempts(): "
+        "[(scaler.scale(model(torch.ones(1, 2)).sum()).backward(), scaler.step(opt), "
+        "scaler.update()) for _ in range(2)]",
+        _USE, ("called more than once", "exactly once"), "model", in_torch=False,
+    ),
+    Misuse(_P, "ScalePolicy(backoff_on_nonfinite_loss=0)", _CFG,
+           ("backoff_on_nonfinite_loss", "True or False"), in_torch=False),
 )
 
 

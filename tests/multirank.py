@@ -274,6 +274,59 @@ def train_with_spike(rank: int, world: int, *, optimizer: str) -> list[Any]:
     return seen
 
 
+REPLAY_STEPS = 6
+#: (batch, first try) -> (rank, what): an inf loss on rank 1 in batch 1's second micro-batch;
+#: an overflow in rank 0's own shard in batch 3.
+REPLAY_TROUBLE = {1: (1, "loss"), 3: (0, "gradients")}
+
+
+def train_with_replay(rank: int, world: int) -> list[Any]:
+    """ZeRO-2 style training under ``attempts()``, two micro-batches per try; returns, per
+    batch, the tries it took and each skipped try's cause, origin ranks and micro-batch."""
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    mine = [p for i, p in enumerate(params) if i % world == rank]
+    opt = make_optimizer(mine, "sgd")
+    scaler = ampscaler.GradScaler("cpu", **SCALER_KWARGS, process_group=dist.group.WORLD)
+    seen: list[Any] = []
+    for batch in range(REPLAY_STEPS):
+        tries: list[Any] = []
+        for attempt in scaler.attempts():
+            trouble = REPLAY_TROUBLE.get(batch) if not attempt.replay else None
+            for micro in range(2):
+                loss = loss_of(model, 10 * batch + micro)
+                if trouble == (rank, "loss") and micro == 1:
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+            for i, p in enumerate(params):
+                if i % world != rank:
+                    p.grad = None
+            if trouble == (rank, "gradients"):
+                mine[0].grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            report = scaler.last_overflow
+            tries.append(None if report is None else (report.cause, tuple(report.ranks),
+                                                      report.micro_batch))
+        for i, p in enumerate(params):
+            dist.broadcast(p.data, src=i % world)
+        seen.append(tries)
+    seen.append(scaler.stats)
+    return seen
+
+
+def replay_without_group(rank: int, world: int) -> str:
+    """What ``attempts()`` says with several ranks and no process group."""
+    scaler = ampscaler.GradScaler("cpu")
+    try:
+        next(iter(scaler.attempts()))
+    except ampscaler.InvalidConfigError as error:
+        return str(error)
+    return "no error"
+
+
 SCENARIOS: dict[str, Callable[[int, int], Any]] = {
     "sgd": lambda r, w: train_sharded(
         r, w, optimizer="sgd", inject={1: [1], 4: [0]}, group=dist.group.WORLD
@@ -302,6 +355,8 @@ SCENARIOS: dict[str, Callable[[int, int], Any]] = {
     "spike_sgd": lambda r, w: train_with_spike(r, w, optimizer="sgd"),
     "spike_fused_adam": lambda r, w: train_with_spike(r, w, optimizer="adam"),
     "subgroups": subgroups,
+    "replay": train_with_replay,
+    "replay_without_group": replay_without_group,
     "user_policy": lambda r, w: train_sharded(
         r,
         w,

@@ -89,9 +89,8 @@ class Reference:
     def __post_init__(self) -> None:
         self.scale = f32(self.init_scale)
         self.budget = self.config.hysteresis
-        self.stats = dict.fromkeys(
-            ("steps", "skipped", "growths", "backoffs", "consecutive_skips", "spike_skips"), 0
-        )
+        names = ("steps", "skipped", "growths", "backoffs", "consecutive_skips", "spike_skips")
+        self.stats = dict.fromkeys((*names, "replays"), 0)
 
     def adjust(self, overflow: bool) -> None:
         """Move the policy state only (no counters): one call of ``policy.adjust``."""

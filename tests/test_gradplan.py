@@ -23,10 +23,19 @@ import pytest
 import torch
 
 import ampscaler
+from ampscaler.grads import flat
 from ampscaler.grads.flat import GradPlanner
 from twins import Trace, assert_same_trace
 
 STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def flatten_few(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mechanics are tested on small models: flatten from two gradients on (the tests of
+    when flattening pays keep the real thresholds)."""
+    if "real_thresholds" not in request.keywords:
+        monkeypatch.setattr(flat, "MIN_FLATTENED", 2)
 
 
 class Net(torch.nn.Module):
@@ -390,3 +399,26 @@ def test_by_default_no_gradient_moves(kind: str) -> None:
         assert [p.grad.data_ptr() for p in model.parameters() if p.grad is not None] == pointers
         opt.zero_grad(set_to_none=False)
     assert scaler._planner is None
+
+
+def _planned_after_two_steps(count: int, size: int) -> bool:
+    params = [torch.nn.Parameter(torch.zeros(size)) for _ in range(count)]
+    for param in params:
+        param.grad = torch.ones(size)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = ampscaler.GradScaler("cpu", flat_grads=True)
+    scaler.scale(torch.tensor(1.0))
+    for _ in range(3):
+        scaler.step(optimizer)
+        scaler.update()
+    entry = scaler._planner._entries[optimizer] if scaler._planner else None
+    return entry is not None and entry.plan is not None
+
+
+@pytest.mark.real_thresholds
+def test_flattening_happens_only_where_it_pays() -> None:
+    """Many small gradients are flattened; a few large ones, or a handful of small ones, are
+    checked as they are (what the defaults do), so the option is never slower than them."""
+    assert _planned_after_two_steps(64, 1000)
+    assert not _planned_after_two_steps(8, 1000)  # too few to save anything
+    assert not _planned_after_two_steps(20, 2**17)  # large: the fixed cost per tensor is noise

@@ -481,8 +481,8 @@ def _scales_of_a_step(compiled: bool) -> tuple[list[float], int]:
 
     fn = torch.compile(step, backend="eager") if compiled else step
     scales, graphs = [], []
-    for index in range(10):
-        fn(_batch(index), torch.tensor(float("inf") if index == 6 else 1.0))
+    for index in range(10):  # step 6: a finite loss whose float16 gradients overflow
+        fn(_batch(index), torch.tensor(2.0**30 if index == 6 else 1.0))
         scales.append(scaler.get_scale())
         graphs.append(counters["stats"]["unique_graphs"])
     return scales, graphs[-1] - graphs[0]
@@ -522,3 +522,38 @@ def test_a_watched_model_still_deep_copies_and_saves_and_its_copy_is_not_tapped(
     if meter is not None:
         assert meter.take(CPU) == NOT_MEASURED
     _train(scaler, model, torch.optim.SGD(model.parameters(), lr=1e-3), range(2))
+
+
+def test_isolated_outliers_do_not_ratchet_the_scale_down() -> None:
+    """Four outlier batches (finite losses whose scaled gradients overflow, spaced 20 steps
+    apart, as with the heavy-tailed advantages of RL): each is skipped, and 50 clean steps after
+    the last the scale is back within a factor 2 of what the measurements allow (with torch's
+    rule at growth_interval 2000 it would still be 16 times lower)."""
+    scaler, model, opt = _rig(HeadroomPolicy())
+    _train(scaler, model, opt, range(100))
+    target = scaler.state_dict()["headroom"]["target"]
+    assert scaler.get_scale() == target
+    outliers = frozenset(range(100, 180, 20))
+    seen = _train(scaler, model, opt, range(100, 230), poison=outliers)
+    steps = range(100, 230)
+    skipped_at = [step for step, (_, skipped) in zip(steps, seen, strict=True) if skipped]
+    assert skipped_at == sorted(outliers)
+    target = scaler.state_dict()["headroom"]["target"]
+    assert scaler.get_scale() >= target / 2
+    assert scaler.stats.skipped == len(outliers)
+
+
+def test_an_inf_loss_leaves_the_scale_and_the_measurements_alone() -> None:
+    scaler, model, opt = _rig(HeadroomPolicy(sample_every=1))
+    _train(scaler, model, opt, range(70))
+    before = scaler.state_dict()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (model(_batch(70)).float() * 4.0).sum() * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    after = scaler.state_dict()
+    assert scaler.last_skip_reason == "nonfinite" and scaler.last_overflow.cause == "loss"
+    assert after["scale"] == before["scale"]
+    assert after["headroom"]["history"] == before["headroom"]["history"]
+    assert after["stats"]["skipped"] == before["stats"]["skipped"] + 1

@@ -780,3 +780,27 @@ def test_legacy_grad_scaler_protocol_is_refused_not_silently_ignored() -> None:
     param.grad = torch.ones(1)
     with pytest.raises(TypeError, match="legacy protocol"):
         scaler.step(Legacy([param], lr=1.0))
+
+
+def test_init_growth_tracker_is_kept_as_torch_keeps_it() -> None:
+    """torch's pickling and state-dict tests read ``_init_growth_tracker``: 0 at construction,
+    the loaded tracker after ``load_state_dict``, the tracker at pickling in a copy."""
+    scalers = [cls("cpu", init_scale=4.0, growth_interval=10) for cls in (torch.amp.GradScaler,
+                                                                           ampscaler.GradScaler)]
+    for scaler in scalers:
+        assert scaler._init_growth_tracker == 0
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    copies = [pickle.loads(pickle.dumps(scaler)) for scaler in scalers]
+    assert [c._init_growth_tracker for c in copies] == [3, 3]
+    assert [c._init_scale for c in copies] == [4.0, 4.0]
+    saved = scalers[1].state_dict()
+    for cls in (torch.amp.GradScaler, ampscaler.GradScaler):
+        fresh = cls("cpu")
+        fresh.load_state_dict(saved)
+        assert fresh._init_growth_tracker == 3 and fresh._get_growth_tracker() == 3

@@ -17,7 +17,13 @@ from .errors import InvalidConfigError
 from .policy import Policy, float32_value
 from .policy.base import require_int
 
-__all__ = ["check_skip_limit", "check_switch", "device_and_enabled", "new_scale_value"]
+__all__ = [
+    "check_attempts",
+    "check_skip_limit",
+    "check_switch",
+    "device_and_enabled",
+    "new_scale_value",
+]
 
 
 def _device_type(device: object) -> str | None:
@@ -78,6 +84,22 @@ def check_skip_limit(limit: object) -> int | None:
     except InvalidConfigError:
         raise InvalidConfigError(
             f"max_consecutive_skips must be an int >= 1 or None, got {limit!r}."
+        ) from None
+
+
+def check_attempts(limit: object) -> int:
+    """``max_attempts`` of :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>`: an
+    int >= 1 (1: no replay).
+
+    Raises:
+        InvalidConfigError: anything else.
+    """
+    try:
+        return require_int("max_attempts", limit, 1)
+    except InvalidConfigError:
+        raise InvalidConfigError(
+            f"max_attempts must be an int >= 1 (how many tries a batch gets; 1: no replay), "
+            f"got {limit!r}."
         ) from None
 
 

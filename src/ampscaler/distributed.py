@@ -18,11 +18,13 @@ The collectives, in the order every rank issues them:
 * at the first step, and at the first step after ``load_state_dict``: one gather of the
   scaler's settings and state per group, so that ranks configured or restored differently
   stop with an error naming the ranks and the differences instead of diverging;
-* per optimizer per iteration: one ``all_reduce(MAX)`` of a 0-dim float flag per group (the
-  last one asynchronous), started as soon as the gradients are checked and waited on only where
-  the step decision needs it;
-* per skipped optimizer step only: one gather of the local flags per group, to name the ranks
-  whose gradients overflowed.
+* per optimizer per iteration: one ``all_reduce(MAX)`` per group (the last one asynchronous) of
+  two flags, whether the gradients held inf/NaN and whether a loss was already inf/NaN before
+  scaling, started as soon as the gradients are checked and waited on only where the step
+  decision needs it; so every rank knows the skip's cause (``loss`` if a loss was non-finite on
+  any rank, else ``gradients``) and decides alike on it;
+* per skipped optimizer step only (plain optimizers): one gather of the local flags per group,
+  to name the ranks the overflow came from (and the micro-batch of a non-finite loss).
 
 Every rank must therefore call the scaler's methods in the same order, as training loops do.
 
@@ -34,7 +36,7 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
     >>> agreement = RankAgreement(dist.group.WORLD)
     >>> agreed = agreement.launch(torch.tensor(1.0))   # starts the all_reduce
     >>> agreement.settle()                             # waits for it
-    >>> agreed.item(), agreement.ranks_with_overflow(torch.tensor(1.0))
+    >>> agreed.item(), agreement.origins(torch.tensor([1.0, 0.0])).gradient_ranks
     (1.0, (0,))
     >>> dist.destroy_process_group()
 """
@@ -42,7 +44,7 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,13 +52,43 @@ import torch.distributed as dist
 from .errors import InvalidConfigError
 from .hostcopy import read_values
 
-__all__ = ["GroupSpec", "RankAgreement", "SettingValue"]
+__all__ = ["GroupSpec", "Origins", "RankAgreement", "SettingValue", "refuse_alone"]
 
 GroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 """What ``process_group=`` takes: one group, or several whose union must agree."""
 
 SettingValue = float | int | bool | str | None | torch.Tensor
 """A setting compared across ranks: a Python number or string, ``None``, or a 0-dim tensor."""
+
+
+class Origins(NamedTuple):
+    """Where a skipped step's trouble came from, the same on every rank.
+
+    Attributes:
+        gradient_ranks: the global ranks whose own gradients held inf/NaN.
+        loss_ranks: the global ranks whose loss was already inf/NaN before scaling.
+        micro_batch: on the first of ``loss_ranks``, which ``scale()`` call of the iteration
+            had that loss (``None``: unknown, or no loss rank).
+    """
+
+    gradient_ranks: tuple[int, ...] = ()
+    loss_ranks: tuple[int, ...] = ()
+    micro_batch: int | None = None
+
+
+def refuse_alone(reason: str) -> None:
+    """Refuse to go on when torch.distributed runs more than one rank and the scaler has no
+    ``process_group`` to agree over: ``reason`` says what would diverge.
+
+    Raises:
+        InvalidConfigError: torch.distributed is initialized with more than one rank.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise InvalidConfigError(
+            f"{reason} Pass process_group= (torch.distributed.group.WORLD with DDP) so that the "
+            "ranks agree, as they agree on overflow."
+        )
+
 
 def _require_group(group: object) -> dist.ProcessGroup:
     if not dist.is_available():
@@ -134,7 +166,7 @@ class RankAgreement:
     ``launch`` starts a max-reduction of a rank's local flag and returns the tensor that will
     hold the agreed flag; ``settle`` waits for every reduction launched so far (with NCCL the
     wait is a stream dependency, not a host sync). ``check_settings`` (at the first step) and
-    ``ranks_with_overflow`` (on skipped steps) read from the device: host syncs.
+    ``origins`` (on skipped steps) read from the device: host syncs.
 
     Args:
         groups: one process group, or several (see the module docstring).
@@ -222,21 +254,25 @@ class RankAgreement:
     def agree(
         self,
         found_inf: torch.Tensor | None,
+        loss_nonfinite: torch.Tensor | None,
         device: torch.device,
         settings: Callable[[], Mapping[str, SettingValue]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start agreeing on one optimizer's inf flag from the check (``None``: this rank
-        held no gradients, and takes part with a zero flag).
+        """Start agreeing on one optimizer's inf flag from the check and on the iteration's
+        loss flag (``None``: this rank held no gradients, or kept no loss, and takes part
+        with a zero flag).
 
-        Returns ``(local, agreed)``: this rank's flag on ``device``, and the tensor that holds
-        the groups' verdict once :meth:`settle` has returned. The first call (and the first
-        after :meth:`recheck`) compares the ranks' ``settings()`` (a host sync).
+        Returns ``(local, agreed)``: this rank's two flags on ``device`` (a 1-dim float32
+        tensor: ``[found_inf, loss_nonfinite]``), and the tensor that holds the groups' two
+        verdicts once :meth:`settle` has returned. The first call (and the first after
+        :meth:`recheck`) compares the ranks' ``settings()`` (a host sync).
         """
         if not self.checked:
             self.check_settings(settings())
-        local = found_inf
-        if local is None:
-            local = torch.zeros((), dtype=torch.float32, device=device)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        flags = [zero if flag is None else flag.to(device, torch.float32).reshape(())
+                 for flag in (found_inf, loss_nonfinite)]
+        local = torch.stack(flags)
         return local, self.launch(local)
 
     def recheck(self) -> None:
@@ -244,8 +280,8 @@ class RankAgreement:
         self.checked = False
 
     def launch(self, local_flag: torch.Tensor) -> torch.Tensor:
-        """Start max-reducing ``local_flag`` (0-dim float) over the groups; return the result
-        tensor.
+        """Start max-reducing ``local_flag`` (float, any shape) over the groups; return the
+        result tensor.
 
         ``local_flag`` itself is left unchanged. The returned tensor holds the agreed flag once
         :meth:`settle` has returned. With several groups, the reductions before the last are
@@ -280,26 +316,44 @@ class RankAgreement:
         self._pending.clear()
 
     def decide(
-        self, local_flag: torch.Tensor | None, agreed: torch.Tensor
-    ) -> tuple[bool, tuple[int, ...]]:
+        self,
+        local_flags: torch.Tensor | None,
+        agreed: torch.Tensor,
+        micro_batch: Callable[[], int | None],
+    ) -> tuple[bool, Origins]:
         """Wait for the groups' verdict and read it (a host sync): whether every rank skips,
-        and then the ranks whose own ``local_flag`` was set (:meth:`ranks_with_overflow`, a
-        collective every rank makes, as all of them skip together)."""
+        and then where the trouble came from (:meth:`origins`, a collective every rank makes,
+        as all of them skip together)."""
         self.settle()
         if not bool(agreed.item()):
-            return False, ()
-        assert local_flag is not None  # set with the agreed flag
-        return True, self.ranks_with_overflow(local_flag)
+            return False, Origins()
+        assert local_flags is not None  # set with the agreed flag
+        return True, self.origins(local_flags, micro_batch())
 
-    def ranks_with_overflow(self, local_flag: torch.Tensor) -> tuple[int, ...]:
-        """The global ranks whose ``local_flag`` was set (a host sync, and one gather per
-        group).
+    def origins(self, local_flags: torch.Tensor, micro_batch: int | None = None) -> Origins:
+        """The ranks whose own flags (``[found_inf, loss_nonfinite]``, as :meth:`agree` made
+        them) were set, and the micro-batch of the first non-finite loss: gathered from every
+        rank (a host sync, and one gather per group).
 
         Every rank of the groups must call this at the same point: the scaler does it on
         skipped steps only, which all ranks skip together.
+
+        Example:
+            >>> import torch, torch.distributed as dist
+            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            >>> RankAgreement(dist.group.WORLD).origins(torch.tensor([0.0, 1.0]), 2)
+            Origins(gradient_ranks=(), loss_ranks=(0,), micro_batch=2)
+            >>> dist.destroy_process_group()
         """
-        flags = self._gather(float(local_flag.detach().float().item()))
-        return tuple(rank for rank in sorted(flags) if flags[rank] > 0)
+        found, loss = read_values([local_flags.detach().float()])[0]
+        table = self._gather((found, loss, micro_batch))
+        ranks = sorted(table)
+        loss_ranks = tuple(rank for rank in ranks if table[rank][1] > 0)
+        return Origins(
+            gradient_ranks=tuple(rank for rank in ranks if table[rank][0] > 0),
+            loss_ranks=loss_ranks,
+            micro_batch=table[loss_ranks[0]][2] if loss_ranks else None,
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RankAgreement:
         # Process groups cannot be copied: a copied scaler agrees over the same groups.

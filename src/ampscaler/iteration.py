@@ -23,18 +23,64 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from .errors import ScalerUsageError
 
-__all__ = ["Iteration", "OptState", "OptimizerRecord", "SkipReason", "StepOutcome", "flag_sum"]
+__all__ = [
+    "Attempt",
+    "Iteration",
+    "OptState",
+    "OptimizerRecord",
+    "SkipOrigin",
+    "SkipReason",
+    "StepOutcome",
+    "flag_sum",
+]
 
 SkipReason = Literal["nonfinite", "spike"]
 
 #: Losses kept per iteration before they are summed into one (a long accumulation).
 _KEEP_LOSSES = 16
+
+
+class Attempt(NamedTuple):
+    """One try at a batch, as :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` yields
+    it.
+
+    Attributes:
+        number: which try (0: the first).
+        limit: how many tries the batch gets at most.
+
+    Example:
+        >>> Attempt(1, 3).replay
+        True
+    """
+
+    number: int
+    limit: int
+
+    @property
+    def replay(self) -> bool:
+        """Whether this try runs a batch again (its first try overflowed)."""
+        return self.number > 0
+
+
+class SkipOrigin(NamedTuple):
+    """Where a skipped step's trouble came from, as the scaler tells its observers.
+
+    Attributes:
+        cause: ``"loss"`` (a loss was inf/NaN before scaling), ``"gradients"``, or ``None``
+            (unknown: no loss was kept).
+        ranks: with a process group, the ranks it came from (empty otherwise).
+        micro_batch: for cause ``"loss"``, which ``scale()`` call had the first inf/NaN loss.
+    """
+
+    cause: str | None
+    ranks: tuple[int, ...] = ()
+    micro_batch: int | None = None
 
 
 class OptState(enum.Enum):
@@ -45,6 +91,7 @@ class OptState(enum.Enum):
     STEPPED = 2
 
 
+@dataclass
 class StepOutcome:
     """One ``step()``'s verdict: the inf/NaN flag and a guard's flag, as device tensors (the
     fused path) or as known values; a tensor is read the first time it is asked about.
@@ -55,11 +102,8 @@ class StepOutcome:
         (True, 'spike')
     """
 
-    def __init__(
-        self, found_inf: torch.Tensor | bool, spike: torch.Tensor | bool | None = None
-    ) -> None:
-        self._found_inf = found_inf
-        self._spike = spike
+    _found_inf: torch.Tensor | bool
+    _spike: torch.Tensor | bool | None = None
 
     @property
     def reason(self) -> SkipReason | None:
@@ -77,6 +121,13 @@ class StepOutcome:
     def skipped(self) -> bool:
         """Whether ``optimizer.step()`` was skipped (may read the device, see :attr:`reason`)."""
         return self.reason is not None
+
+    @property
+    def known_nonfinite(self) -> bool | None:
+        """Whether the gradients held inf/NaN, if known on the host (``None``: a device flag
+        not read yet). No host sync."""
+        found = self._found_inf
+        return None if isinstance(found, torch.Tensor) else bool(found)
 
     def settled(self) -> StepOutcome:
         """The same verdict as Python values (for a copied scaler)."""
@@ -98,14 +149,6 @@ class OptimizerRecord:
     # The guards' verdict (0-dim float, > 0: skip although finite); None without guards.
     spike: torch.Tensor | None = None
     outcome: StepOutcome | None = None  # set by step()
-
-    def stepped(
-        self, found_inf: torch.Tensor | bool, spike: torch.Tensor | bool | None
-    ) -> StepOutcome:
-        """The optimizer was stepped (or skipped) with this verdict; returns it."""
-        self.stage = OptState.STEPPED
-        self.outcome = StepOutcome(found_inf, spike)
-        return self.outcome
 
 
 def flag_sum(flags: list[torch.Tensor]) -> torch.Tensor | None:
@@ -130,18 +173,29 @@ class Iteration:
         losses: the losses given to ``scale()``, detached (read only on skipped steps).
         scale: the live scale while the iteration runs; after ``update()`` a copy of the scale
             it ran at.
+        loss_nonfinite: the flag (> 0) that a loss was already inf/NaN before scaling, agreed
+            across the ranks of a ``process_group`` at the check (``None``: not agreed; then
+            :meth:`loss_flag` gives this rank's).
+        local_loss_flag: this rank's loss flag kept as the losses come, when it is to be agreed
+            (``keep_loss(..., flag=True)``; ``None`` otherwise).
         found_inf: after ``update()``: the iteration's flag (> 0: some optimizer overflowed;
             ``None``: no optimizer was checked).
         spiked: after ``update()``: the guards' flag (``None``: no guard).
         new_scale: after ``update()``: the live scale (read only by consumers of records).
+        attempt: which attempt at its batch this iteration is (0: the first; see
+            :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>`).
     """
 
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     scale: torch.Tensor | None = None
+    loss_nonfinite: torch.Tensor | None = None
+    local_loss_flag: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     spiked: torch.Tensor | None = None
     new_scale: torch.Tensor | None = None
+    attempt: int = 0
+    losses_summed: bool = False  # a long accumulation's losses were summed into one
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
@@ -165,26 +219,85 @@ class Iteration:
         """Whether any optimizer has been stepped in this iteration."""
         return any(record.stage is OptState.STEPPED for record in self.records.values())
 
-    def keep_loss(self, loss: torch.Tensor) -> None:
+    def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
         """Keep a loss given to ``scale()`` (detached; no device work unless many are kept,
-        when they are summed into one)."""
+        when they are summed into one); with ``flag``, also fold whether it is inf/NaN into
+        :attr:`local_loss_flag` (two small device ops; no host sync)."""
         losses = self.losses
         losses.append(loss.detach())
+        if flag:
+            bad = (~torch.isfinite(losses[-1]).all()).to(torch.float32)
+            previous = self.local_loss_flag
+            self.local_loss_flag = bad if previous is None else torch.maximum(previous, bad)
         if len(losses) > _KEEP_LOSSES:
             losses[:] = [_loss_sum(losses)]
+            self.losses_summed = True
 
     def loss(self) -> torch.Tensor | None:
         """The sum of the iteration's losses so far, unscaled (on the device; ``None`` when
         ``scale()`` kept none)."""
         return _loss_sum(self.losses) if self.losses else None
 
+    def loss_flag(self) -> torch.Tensor | None:
+        """This rank's flag, a 0-dim float32 tensor > 0 iff a kept loss is inf/NaN (``None``:
+        none kept). A few device ops; no host sync."""
+        loss = self.loss()
+        return None if loss is None else (~torch.isfinite(loss)).to(torch.float32)
+
+    def cause_flag(self) -> torch.Tensor | None:
+        """The loss flag the iteration's cause is told by: the agreed one with a
+        ``process_group``, else this rank's. No host sync."""
+        return self.loss_nonfinite if self.loss_nonfinite is not None else self.loss_flag()
+
+    def loss_origin(self) -> SkipOrigin:
+        """The cause of a skip (agreed with a process group: :meth:`cause_flag`) and this
+        rank's micro-batch of a non-finite loss (a host sync; for skipped steps)."""
+        flag = self.cause_flag()
+        if flag is None:
+            return SkipOrigin(None)
+        if not bool(flag > 0):
+            return SkipOrigin("gradients")
+        return SkipOrigin("loss", micro_batch=self.first_nonfinite_loss())
+
+    def first_nonfinite_loss(self) -> int | None:
+        """Which ``scale()`` call of the iteration (counting from 0) had the first inf/NaN
+        loss, when the losses are still kept one by one (``None``: none, or they were summed
+        after a long accumulation). A host sync; for skipped steps."""
+        if not self.losses or self.losses_summed:
+            return None
+        device = self.losses[0].device
+        finite = torch.stack([torch.isfinite(loss).all().to(device) for loss in self.losses])
+        bad = (~finite).nonzero()
+        return int(bad[0, 0]) if bad.numel() else None
+
     def flags(self) -> list[torch.Tensor]:
         """The inf flags of the optimizers that were checked."""
         return [r.found_inf for r in self.records.values() if r.found_inf is not None]
 
+    def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The inf flags of the optimizers that were checked, and their sum (> 0 iff any
+        overflowed; ``None`` for none). No host sync."""
+        flags = self.flags()
+        return flags, flag_sum(flags)
+
     def spikes(self) -> list[torch.Tensor]:
         """The guards' flags of the optimizers that had them."""
         return [r.spike for r in self.records.values() if r.spike is not None]
+
+    def overflow_known(self) -> bool | None:
+        """Whether an optimizer's step was skipped for inf/NaN gradients, when every step's
+        outcome is known on the host (plain optimizers: the decision read it); ``None`` when an
+        outcome is a flag still on the device (fused optimizers). No host sync."""
+        known = False
+        for record in self.records.values():
+            outcome = record.outcome
+            if outcome is None:
+                continue
+            nonfinite = outcome.known_nonfinite
+            if nonfinite is None:
+                return None
+            known = known or nonfinite
+        return known
 
     def require_checked(self) -> None:
         """Raise unless some optimizer was checked (``update()`` needs a flag).

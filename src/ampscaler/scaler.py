@@ -24,22 +24,38 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import torch
 
-from .arguments import check_skip_limit, check_switch, device_and_enabled, new_scale_value
+from .arguments import (
+    check_attempts,
+    check_skip_limit,
+    check_switch,
+    device_and_enabled,
+    new_scale_value,
+)
 from .checkpoint import from_state_dict, to_state_dict
 from .compat import TorchPrivateNames
-from .distributed import GroupSpec, RankAgreement, SettingValue
+from .distributed import GroupSpec, Origins, RankAgreement, SettingValue, refuse_alone
 from .errors import PersistentOverflowError, ScalerUsageError
 from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
 from .guards import Guard, GuardSet
-from .iteration import Iteration, OptimizerRecord, OptState, SkipReason, StepOutcome, flag_sum
+from .hostcopy import read_values
+from .iteration import (
+    Attempt,
+    Iteration,
+    OptimizerRecord,
+    OptState,
+    SkipOrigin,
+    SkipReason,
+    StepOutcome,
+    flag_sum,
+)
 from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, RecordCallback
 from .observe.sinks import Sink
 from .policy import Meter, Policy, policy_from_arguments
@@ -69,10 +85,6 @@ def _reciprocal(live: LiveState) -> torch.Tensor:
     if live.float64:
         return live.scale.double().reciprocal().float()
     return live.scale.reciprocal()
-
-
-def _ignore(loss: torch.Tensor) -> None:
-    """Keeps nothing (``scale()`` under ``torch.compile``)."""
 
 
 def _scale_nested(
@@ -229,6 +241,8 @@ class GradScaler(TorchPrivateNames):
         if self._fused.one_pass:
             self._state.watch_powers_of_two()
         self._iteration = Iteration()
+        self._finished: Iteration | None = None  # the last iteration update() ended
+        self._attempt = 0  # the try at the batch in progress (attempts())
         self._guards = GuardSet()
         self._monitor = Monitor(enabled=self._enabled)
         self._watched = WatchedModels()  # for the policy's meter
@@ -276,24 +290,22 @@ class GradScaler(TorchPrivateNames):
         """
         if not self._enabled:
             return outputs
-        # The losses are kept (not read) for the skip's cause and the guards; not under
-        # torch.compile, where a growing list would change a compiled guard every iteration.
-        compiling = torch.compiler.is_compiling()
-        if not compiling and self._looks_for_bf16:
+        # The losses are kept (not read) for the skip's cause and the guards.
+        if not torch.compiler.is_compiling() and self._looks_for_bf16:
             device = outputs.device.type if isinstance(outputs, torch.Tensor) else self._device
             self._warn_if_bf16_autocast(device or "cuda")
         if isinstance(outputs, torch.Tensor):
-            if not compiling:
-                self._keep_loss(outputs)
+            self._keep_loss(outputs)
             return outputs * self._scale_on(outputs.device)
-        scaled: Iterable[torch.Tensor] = _scale_nested(
-            outputs, self._scale_on, _ignore if compiling else self._keep_loss
-        )
+        scaled: Iterable[torch.Tensor] = _scale_nested(outputs, self._scale_on, self._keep_loss)
         return scaled
 
     def _keep_loss(self, loss: torch.Tensor) -> None:
-        self._iteration.keep_loss(loss)
-        if self._meter is not None:
+        # With a process group the loss flag is agreed at the check: kept as the losses come.
+        self._iteration.keep_loss(loss, flag=self._agreement is not None)
+        # The meter's schedule is a Python count: read under torch.compile, it would be
+        # guarded on (a recompile every iteration).
+        if self._meter is not None and not torch.compiler.is_compiling():
             self._meter.start()
 
     def _warn_if_bf16_autocast(self, device_type: str) -> None:
@@ -399,12 +411,14 @@ class GradScaler(TorchPrivateNames):
                 self._iteration.loss(),
                 self._agreement,
             )
-        if self._agreement is not None:
-            record.local_found_inf, found_inf = self._agreement.agree(
-                found_inf, live.device, self._settings
+        iteration = self._iteration
+        if self._agreement is not None:  # the inf flag and the loss flag, agreed together
+            record.local_found_inf, agreed = self._agreement.agree(
+                found_inf, iteration.local_loss_flag, live.device, self._settings
             )
+            found_inf, iteration.loss_nonfinite = agreed[0], agreed[1]
         record.found_inf = found_inf
-        self._iteration.scale = live.scale
+        iteration.scale = live.scale
 
     def _settings(self) -> dict[str, SettingValue]:
         """What ranks compare before they agree: the configuration and the live state."""
@@ -466,7 +480,6 @@ class GradScaler(TorchPrivateNames):
     ) -> Any:
         """Read the (agreed) flag and step or skip: one host sync."""
         found_inf = record.found_inf
-        ranks: tuple[int, ...] = ()
         if found_inf is None:
             raise ScalerUsageError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
@@ -474,15 +487,30 @@ class GradScaler(TorchPrivateNames):
                 "optimizer's parameters before scaler.step(optimizer)."
             )
         skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
-        if self._agreement is not None:  # the group's verdict, and who overflowed
-            skipped, ranks = self._agreement.decide(record.local_found_inf, skip)
+        origins = None
+        if self._agreement is not None:  # the group's verdict, and where trouble came from
+            skipped, origins = self._agreement.decide(
+                record.local_found_inf, skip, self._iteration.first_nonfinite_loss
+            )
         else:
             skipped = bool(skip.item())
         # Only a skipped step with a guard needs to know which flag it was: a second read.
         nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
         self._stepped(record, nonfinite, skipped and not nonfinite)
-        self._monitor.note_step(self._iteration, record.optimizer, nonfinite, live.counters, ranks)
+        origin = self._skip_origin(origins) if nonfinite else None
+        self._monitor.note_step(self._iteration, record.optimizer, nonfinite, live.counters, origin)
         return None if skipped else record.optimizer.step(*args, **kwargs)
+
+    def _skip_origin(self, origins: Origins | None) -> SkipOrigin:
+        """Where a skipped plain step's trouble came from: agreed over the process group (its
+        ranks and micro-batch gathered by the decision), or this rank's."""
+        iteration = self._iteration
+        if origins is None or iteration.loss_nonfinite is None:
+            return iteration.loss_origin()
+        if bool(iteration.loss_nonfinite > 0):
+            return SkipOrigin("loss", origins.loss_ranks, origins.micro_batch)
+        cause = "gradients" if iteration.losses else None
+        return SkipOrigin(cause, origins.gradient_ranks)
 
     def _fused_step(
         self,
@@ -515,7 +543,8 @@ class GradScaler(TorchPrivateNames):
         found_inf: torch.Tensor | bool,
         spike: torch.Tensor | bool | None,
     ) -> None:
-        outcome = self._last_outcome = record.stepped(found_inf, spike)
+        record.stage = OptState.STEPPED
+        outcome = record.outcome = self._last_outcome = StepOutcome(found_inf, spike)
         self._outcomes[record.optimizer] = outcome
 
     # ------------------------------------------------------------------ update
@@ -558,13 +587,12 @@ class GradScaler(TorchPrivateNames):
         iteration = self._iteration
         if self._agreement is not None:
             self._agreement.settle()
-        flags = iteration.flags()
-        if new_scale is None and flags and self._defers_update():
+        flags, found_inf = iteration.checked_flags()  # found_inf > 0 iff any overflowed
+        if new_scale is None and found_inf is not None and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
-            self._end(iteration, flags[0], live.scale, None, live)
+            self._end(iteration, found_inf, live.scale, None, live)
             return
-        found_inf = flag_sum(flags)  # > 0 iff any optimizer overflowed
         spiked = flag_sum(iteration.spikes()) if self._guards.active else None
         old_scale = self._move(new_scale, found_inf, spiked, live)
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
@@ -594,7 +622,7 @@ class GradScaler(TorchPrivateNames):
             self._iteration.require_checked()
         assert found_inf is not None
         measured = None if self._meter is None else self._measured(self._meter, live)
-        old_scale = self._state.advance(found_inf, spiked, measured)
+        old_scale = self._state.advance(found_inf, spiked, measured, self._iteration.cause_flag)
         if self._meter is not None:
             self._meter.advance()
         return old_scale
@@ -618,6 +646,7 @@ class GradScaler(TorchPrivateNames):
             and self._max_consecutive_skips is None
             and not self._monitor.consuming
             and not self._guards.active
+            and not self._state.policy.holds_on_nonfinite_loss
         )
 
     def _end(
@@ -630,7 +659,8 @@ class GradScaler(TorchPrivateNames):
     ) -> None:
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
-        self._iteration = Iteration()
+        iteration.attempt = self._attempt
+        self._finished, self._iteration = iteration, Iteration()
         self._looks_for_bf16 = False
         self._monitor.after_update(iteration, live.counters)
 
@@ -640,6 +670,110 @@ class GradScaler(TorchPrivateNames):
             raise PersistentOverflowError.after(
                 in_a_row, limit, self.get_scale(), self.last_overflow
             )
+
+    # ------------------------------------------------------------------ replay
+
+    def attempts(self, max_attempts: int = 3) -> Iterator[Attempt]:
+        """Run a batch again when its step was skipped because the scaled gradients
+        overflowed, at the backed-off scale, instead of losing it; at most ``max_attempts``
+        tries in all.
+
+        A loop the user can read; the body is one whole iteration (forward, ``scale``,
+        ``backward``, ``step`` for every optimizer, ``update``)::
+
+            for inputs, targets in loader:
+                for _ in scaler.attempts():
+                    optimizer.zero_grad()
+                    with torch.autocast("cuda", dtype=torch.float16):
+                        loss = loss_fn(model(inputs), targets)
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+
+        After each try the body ran, the batch runs again only when the iteration was
+        skipped because its *scaled gradients* held inf/NaN (``update()`` has backed the
+        scale off): never when a loss was already inf/NaN before scaling (cause ``"loss"``: a
+        lower scale cannot help) and never for a guard's veto (:class:`~ampscaler.SpikeGuard`).
+        After ``max_attempts`` tries the batch is skipped, as without the loop. Every try is a
+        full iteration of the scaler (counted in ``stats.steps``; a skipped one in
+        ``stats.skipped``; a replayed one also in ``stats.replays``), so with the defaults a
+        run equals torch's scaler driven by the same loop written by hand, bit for bit.
+        Accumulation over micro-batches, several optimizers, fused optimizers and a compiled
+        step inside the body all work; checkpoints go between batches.
+
+        What it reads from the device: nothing after a try whose plain optimizers all stepped
+        (their step already read the flag); one read (the iteration's flags) after a skipped
+        try, and after every try that steps a fused optimizer (whose kernel decided alone).
+        With a ``process_group`` the decision comes from values agreed across the ranks, so
+        every rank replays or none.
+
+        Example:
+            >>> import torch, ampscaler
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu", init_scale=2.0**8)
+            >>> tries = []
+            >>> for attempt in scaler.attempts():
+            ...     opt.zero_grad()
+            ...     loss = model(torch.ones(1, 2)).sum()
+            ...     scaler.scale(loss).backward()
+            ...     if not attempt.replay:
+            ...         _ = model.bias.grad.fill_(float("inf"))   # the first try overflows
+            ...     scaler.step(opt)
+            ...     scaler.update()
+            ...     tries.append(scaler.get_scale())
+            >>> tries, scaler.stats.replays
+            ([128.0, 128.0], 1)
+
+        Raises:
+            ScalerUsageError: (a ``RuntimeError``) a body that does not call ``update()``
+                exactly once.
+            InvalidConfigError: (a ``ValueError``) ``max_attempts`` is not an int >= 1; more
+                than one rank and no ``process_group`` (the ranks could decide differently,
+                and a rank that replays alone leaves the others waiting).
+        """
+        limit = check_attempts(max_attempts)
+        if self._enabled and self._agreement is None:
+            refuse_alone(
+                "attempts() decides on each rank whether to run a batch again, and a rank that "
+                "ran it again alone would leave the others waiting in its collectives (DDP's)."
+            )
+        for number in range(limit):
+            started = self._iteration
+            self._attempt = number
+            try:
+                yield Attempt(number, limit)
+            finally:
+                self._attempt = 0
+            if not self._enabled:
+                return
+            self._require_one_update(started)
+            if number + 1 == limit or not self._overflowed(started):
+                return
+            self._state.count_replay()
+
+    def _require_one_update(self, started: Iteration) -> None:
+        """Check that the try ended the iteration it started with ``update()``, and no other:
+        exactly one ``update()`` in the body."""
+        if self._finished is not started:
+            called = "did not call" if self._iteration is started else "called more than once"
+            raise ScalerUsageError(
+                f"The body of scaler.attempts() {called} update(); it must call it exactly "
+                "once per try (after step() for every optimizer), so that each try is one "
+                "iteration the scaler can decide on."
+            )
+
+    def _overflowed(self, iteration: Iteration) -> bool:
+        """Whether ``iteration`` was skipped because its scaled gradients overflowed (and not
+        because a loss was inf/NaN). Reads the device only when that is not known yet."""
+        known = iteration.overflow_known()
+        if known is False:
+            return False
+        found, cause = iteration.found_inf, iteration.cause_flag()
+        read = read_values([t for t in (found, cause) if t is not None])
+        found_value = read[0] if found is not None else 0.0
+        loss_value = read[-1] if cause is not None else 0.0
+        return found_value > 0 and not loss_value > 0
 
     # ------------------------------------------------------------------ the scale and rule
 
@@ -710,8 +844,8 @@ class GradScaler(TorchPrivateNames):
 
         Example:
             >>> import ampscaler
-            >>> sorted(ampscaler.GradScaler("cpu").state_dict())[:5]
-            ['_growth_tracker', '_hysteresis_tracker', 'backoff_factor', 'dynamic', 'growth_factor']
+            >>> sorted(ampscaler.GradScaler("cpu").state_dict())[:3]
+            ['_growth_tracker', '_hysteresis_tracker', 'backoff_factor']
         """
         if not self._enabled:
             return {}
@@ -792,6 +926,7 @@ class GradScaler(TorchPrivateNames):
         # Which optimizers skipped, and which models are watched, belong to this object.
         state["_outcomes"] = None
         state["_watched"] = WatchedModels()
+        state["_finished"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -64,6 +64,9 @@ class ScalerStats:
         spike_skips: iterations whose gradients were finite but that a guard skipped (a
             :class:`~ampscaler.SpikeGuard`); not in ``skipped``, since the scale was not the
             problem and did not back off.
+        replays: skipped iterations whose batch :meth:`GradScaler.attempts
+            <ampscaler.GradScaler.attempts>` ran again (each is also in ``steps`` and
+            ``skipped``: the batch was lost only when it was skipped and not replayed).
     """
 
     steps: int = 0
@@ -72,6 +75,7 @@ class ScalerStats:
     backoffs: int = 0
     consecutive_skips: int = 0
     spike_skips: int = 0
+    replays: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict, as stored in ``state_dict()["stats"]``."""
@@ -95,8 +99,9 @@ class StepCounters:
         >>> counters = StepCounters(scale)
         >>> counters.record(torch.tensor(0.0), torch.tensor(1.0))   # clean, grew from 1 to 2
         >>> counters.record(torch.tensor(1.0), scale.clone()); _ = scale.fill_(1.0)  # backed off
-        >>> counters.stats()
-        ScalerStats(steps=2, skipped=1, growths=1, backoffs=1, consecutive_skips=1, spike_skips=0)
+        >>> counters.stats()  # doctest: +NORMALIZE_WHITESPACE
+        ScalerStats(steps=2, skipped=1, growths=1, backoffs=1, consecutive_skips=1,
+                    spike_skips=0, replays=0)
     """
 
     def __init__(self, scale: torch.Tensor, stats: ScalerStats | None = None) -> None:
@@ -178,6 +183,10 @@ class StepCounters:
         """The counters as Python ints (a host sync)."""
         return ScalerStats(*(int(v) for v in self.values.tolist()))
 
+    def count_replay(self) -> None:
+        """One more replayed batch (in place; no sync)."""
+        self._values[6].add_(1)
+
     def _fold(self) -> None:
         if self._found:
             device = self._values.device
@@ -201,7 +210,7 @@ class StepCounters:
         new = torch.cat((old[1:], self._scale.reshape(1)))
         # The overflows at the end, in a row: 1s of the reversed flags up to their first 0.
         trailing = overflow.flip(0).to(torch.int64).cumprod(0).sum()
-        steps, skipped, growths, backoffs, in_a_row, spikes = self._values.unbind()
+        steps, skipped, growths, backoffs, in_a_row, spikes, replays = self._values.unbind()
         self._values.copy_(
             torch.stack(
                 (
@@ -213,6 +222,7 @@ class StepCounters:
                     spikes
                     if spiked is None
                     else spikes + ((spiked > 0) & ~overflow & counted).sum(),
+                    replays,
                 )
             )
         )
@@ -438,13 +448,30 @@ class ScalerState:
         found_inf: torch.Tensor,
         spiked: torch.Tensor | None = None,
         measured: torch.Tensor | None = None,
+        loss_nonfinite: Callable[[], torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
         does not see; and what a measuring policy ``measured``): move the state by the policy,
-        count it. Returns a copy of the scale the iteration started from. No host sync."""
+        count it. A policy that holds on a non-finite loss
+        (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
+        does not move where the flag ``loss_nonfinite()`` gives is > 0 (asked for only
+        then). Returns a copy of the scale the iteration started from. No host sync."""
         live = self._settled_live()
         old = live.scale.clone()
-        self._policy.update_(live.tensors, found_inf, measured)
+        policy = self._policy
+        flag = (
+            loss_nonfinite()
+            if loss_nonfinite is not None and policy.holds_on_nonfinite_loss
+            else None
+        )
+        if flag is not None:
+            moved = policy.adjust(live.tensors, found_inf, measured)
+            hold = flag.to(live.device) > 0
+            for tensor, value in zip(live.tensors, moved, strict=True):
+                if value is not tensor:
+                    tensor.copy_(torch.where(hold, tensor, value))
+        else:
+            policy.update_(live.tensors, found_inf, measured)
         live.counters.record(found_inf, old, spiked)
         self._updated(live.scale)
         return old
@@ -464,6 +491,10 @@ class ScalerState:
             live.counters.record(found_inf, old, spiked)
         self._saw(value)
         return old
+
+    def count_replay(self) -> None:
+        """One more batch replayed (``stats.replays``). No host sync."""
+        self._settled_live().counters.count_replay()
 
     def defer(self, flags: Sequence[torch.Tensor]) -> None:
         """``update()`` under ``torch.compile``: keep the iteration's inf flags and apply the

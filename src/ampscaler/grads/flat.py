@@ -42,7 +42,7 @@ holds gradient memory the loop would otherwise have released.
 Example:
     >>> import torch
     >>> from ampscaler.grads.flat import GradPlanner
-    >>> params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(4)]
+    >>> params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(16)]
     >>> for p in params:
     ...     p.grad = torch.ones(3)
     >>> opt = torch.optim.SGD(params, lr=0.1)
@@ -51,7 +51,7 @@ Example:
     >>> groups = planner.groups(opt, allow_fp16=False)   # same tensors again: planned
     >>> (flat,) = groups[torch.device("cpu")][torch.float32]
     >>> flat.shape, params[1].grad.data_ptr() - flat.data_ptr()   # the 2nd gradient's slice
-    (torch.Size([12]), 12)
+    (torch.Size([48]), 12)
 """
 
 from __future__ import annotations
@@ -174,11 +174,29 @@ def _flatten_(grads: list[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
+#: A device and dtype's gradients move into a flat buffer only when there are at least this
+#: many ...
+MIN_FLATTENED = 16
+#: ... and they hold at most this many elements on average: checking them one by one costs a
+#: fixed overhead per tensor that flattening saves; for few large tensors it is noise, and a
+#: plan would only add its validation.
+MAX_MEAN_NUMEL = 2**16
+
+
+def _pays(movable: list[torch.Tensor]) -> bool:
+    """Whether moving ``movable`` into one buffer saves time (see :data:`MIN_FLATTENED`)."""
+    count = len(movable)
+    return count >= MIN_FLATTENED and sum(g.numel() for g in movable) <= MAX_MEAN_NUMEL * count
+
+
 def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan | None:
-    """Group ``optimizer``'s gradients once, moving the movable ones into flat buffers.
+    """Group ``optimizer``'s gradients once, moving the movable ones into flat buffers where
+    that pays (many small gradients of one device and dtype: :data:`MIN_FLATTENED`,
+    :data:`MAX_MEAN_NUMEL`).
 
     Returns ``None`` (touching nothing) when a gradient is sparse, a tensor subclass (such as a
-    ``DTensor``), or has no data pointer to validate the plan by.
+    ``DTensor``), or has no data pointer to validate the plan by, and when flattening pays for
+    no group (then the gradients are grouped as without the option).
 
     Raises:
         TypeError: a parameter that is not a tensor.
@@ -201,12 +219,14 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
         for dtype, bucket in per_dtype.items():
             alone = _unshared(bucket) if distinct else [False] * len(bucket)
             movable = [g for g, sole in zip(bucket, alone, strict=True) if sole and _movable(g)]
-            if len(movable) > 1:
+            if _pays(movable):
                 moved_ids.update(id(grad) for grad in movable)
                 kept = [grad for grad in bucket if id(grad) not in moved_ids]
                 flat = _flatten_(movable)
                 buffers.append(flat.untyped_storage()._cdata)
                 per_dtype[dtype] = [flat, *kept]
+    if not buffers:
+        return None
     moved = [grad for grad in present if id(grad) in moved_ids]
     kept = [grad for grad in present if id(grad) not in moved_ids]
     return GradPlan(

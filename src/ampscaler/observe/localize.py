@@ -133,13 +133,19 @@ class OverflowReport:
             backward produced a non-finite gradient; ``"<loss>"`` when the gradient arriving
             from the loss (or from code outside the watched modules) was already non-finite;
             ``None`` when not traced.
-        ranks: with a scaler ``process_group``, the global ranks whose gradients overflowed (the
-            whole group skipped the step with them); empty otherwise.
+        ranks: with a scaler ``process_group`` (plain optimizers), the global ranks the
+            trouble came from, the same on every rank (the whole group skipped the step with
+            them): for cause ``"loss"`` the ranks whose loss was non-finite, else the ranks
+            whose gradients overflowed; empty otherwise.
         cause: ``"loss"`` when a loss passed to ``scale()`` in the iteration was already
             inf/NaN before scaling (a forward overflow in float16 activations, or bad data:
             lowering the scale cannot help); ``"gradients"`` when the losses were finite and
             the scaled gradients overflowed (what backing off is for); ``None`` when unknown
-            (``scale()`` ran inside ``torch.compile``). This rank's losses only.
+            (``scale()`` ran inside ``torch.compile``). With a ``process_group``, agreed: a
+            non-finite loss on any rank is the cause on every rank.
+        micro_batch: for cause ``"loss"``, which ``scale()`` call of the iteration (from 0)
+            had the first non-finite loss (on the first of ``ranks`` with a process group);
+            ``None`` when unknown.
     """
 
     step: int
@@ -150,19 +156,23 @@ class OverflowReport:
     ranks: Sequence[int] = field(default_factory=tuple)
     origin: str | None = None
     cause: str | None = None
+    micro_batch: int | None = None
 
     def __str__(self) -> str:
-        return self._where() + _CAUSE_NOTE.get(self.cause or "", "")
+        batch = "" if self.micro_batch is None else f" (micro-batch {self.micro_batch})"
+        return self._where() + _CAUSE_NOTE.get(self.cause or "", "") + batch
 
     def _where(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
         traced = f"; first non-finite in the backward of {self.origin}" if self.origin else ""
         label = "rank" if len(self.ranks) == 1 else "ranks"
         culprits = f"{label} {', '.join(map(str, self.ranks))}"
-        if self.ranks and self.rank not in self.ranks:
+        trouble = "a non-finite loss" if self.cause == "loss" else "an overflow"
+        if self.ranks and self.rank not in self.ranks and not self.names:
             return (
-                f"step {self.step}{where}: skipped with the whole process group because of an "
-                f"overflow on {culprits} at scale {self.scale:g}; this rank's gradients were finite"
+                f"step {self.step}{where}: skipped with the whole process group because of "
+                f"{trouble} on {culprits} at scale {self.scale:g}; this rank's gradients were "
+                "finite"
             )
         if not self.names:
             return (
@@ -171,7 +181,7 @@ class OverflowReport:
             )
         shown = ", ".join(f"{n} ({self.kinds[n]})" for n in self.names[:10])
         more = f" and {len(self.names) - 10} more" if len(self.names) > 10 else ""
-        also = f" (overflow on {culprits})" if self.ranks else ""
+        also = f" ({trouble} on {culprits})" if self.ranks else ""
         return (
             f"step {self.step}{where}: non-finite gradients at scale {self.scale:g} in "
             f"{len(self.names)} parameter(s): {shown}{more}{also}{traced}"
@@ -188,6 +198,7 @@ class OverflowReport:
             "ranks": list(self.ranks),
             "origin": self.origin,
             "cause": self.cause,
+            "micro_batch": self.micro_batch,
         }
 
     @classmethod
@@ -202,6 +213,7 @@ class OverflowReport:
             ranks=tuple(int(r) for r in data.get("ranks", ())),
             origin=None if data.get("origin") is None else str(data["origin"]),
             cause=None if data.get("cause") is None else str(data["cause"]),
+            micro_batch=None if data.get("micro_batch") is None else int(data["micro_batch"]),
         )
 
 

@@ -44,7 +44,7 @@ from .records import StepRecord
 from .sinks import Sink, StepHistory
 
 if TYPE_CHECKING:
-    from ..iteration import Iteration
+    from ..iteration import Iteration, SkipOrigin
     from ..state import StepCounters
 
 __all__ = ["EVENTS", "Attachable", "Callback", "CollapseCallback", "Monitor", "RecordCallback"]
@@ -220,14 +220,14 @@ class Monitor:
         optimizer: torch.optim.Optimizer,
         found_inf: bool | torch.Tensor,
         counters: StepCounters | None,
-        ranks: tuple[int, ...] = (),
+        origin: SkipOrigin | None = None,
     ) -> None:
         """Record one ``step()``: a known outcome (plain path) or a device flag (fused path).
 
         A known skip is localized now, while the gradients are certainly there (host syncs,
-        on skipped steps only); ``ranks`` are the ranks whose gradients overflowed, when the
-        ranks of a process group skipped together. A flag is read when the overflow is asked
-        for, up to the end of the next iteration: it must not change before then.
+        on skipped steps only); ``origin`` says where it came from (its cause, and with a
+        process group the ranks, the same on every rank). A flag is read when the overflow
+        is asked for, up to the end of the next iteration: it must not change before then.
         """
         observed = self._observe(iteration)
         if isinstance(found_inf, torch.Tensor):
@@ -236,8 +236,7 @@ class Monitor:
             step = 0 if counters is None else int(counters.steps.item())
             events = None if self._tracer is None else self._tracer.events
             scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
-            report = self._localize([optimizer], step, scale, events, iteration)
-            report = dataclasses.replace(report, ranks=ranks)
+            report = self._localize([optimizer], step, scale, events, iteration, origin)
             observed.reports.append(report)
             self.tally.add(report)
 
@@ -291,6 +290,7 @@ class Monitor:
             overflow=self._resolve(self._current, lambda: step) if skipped else None,
             probe=None if pending is None else pending.finish(read[2], old),
             spike=not skipped and spike_flag > 0,
+            attempt=iteration.attempt,
         )
         for sink in self._sinks:
             sink.write(record)
@@ -314,16 +314,21 @@ class Monitor:
         scale: float,
         events: list[TraceEvent] | None,
         iteration: Iteration | None,
+        origin: SkipOrigin | None = None,
     ) -> OverflowReport:
-        origin = None if events is None else NonFiniteTracer.origin(events)
-        return localize.locate_overflow(
+        if origin is None and iteration is not None:
+            origin = iteration.loss_origin()
+        report = localize.locate_overflow(
             optimizers,
             self.names,
             step=step,
             scale=scale,
-            origin=origin,
-            cause=None if iteration is None else _cause(iteration.losses),
+            origin=None if events is None else NonFiniteTracer.origin(events),
+            cause=None if origin is None else origin.cause,
         )
+        if origin is None:
+            return report
+        return dataclasses.replace(report, ranks=origin.ranks, micro_batch=origin.micro_batch)
 
     def _resolve(self, observed: _Observed, step: Callable[[], int]) -> OverflowReport | None:
         if observed.resolved:
@@ -382,12 +387,3 @@ class Monitor:
             self.attach(observer)
 
 
-
-def _cause(losses: list[torch.Tensor]) -> str | None:
-    """``"loss"`` if any of ``losses`` holds inf/NaN (lowering the scale cannot help), else
-    ``"gradients"`` (``None``: no loss was kept). One host sync; called on skipped steps only."""
-    if not losses:
-        return None
-    device = losses[0].device
-    finite = torch.stack([torch.isfinite(loss).all().to(device) for loss in losses]).all()
-    return "gradients" if bool(finite) else "loss"

@@ -68,6 +68,9 @@ class StepRecord:
             arms); ``report`` draws the labels of one log side by side.
         spike: whether a guard (:class:`~ampscaler.SpikeGuard`) skipped the step although its
             gradients were finite (``skipped`` stays ``False``: the scale did not back off).
+        attempt: which attempt at its batch the iteration was, under
+            :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` (0: the first; a
+            record with ``attempt > 0`` follows a skipped record of the same batch).
     """
 
     step: int
@@ -81,6 +84,7 @@ class StepRecord:
     lr: float | None = None
     label: str | None = None
     spike: bool = False
+    attempt: int = 0
 
     @property
     def grew(self) -> bool:
@@ -98,7 +102,8 @@ class StepRecord:
             else f", backed off to {self.new_scale:g}" if self.backed_off
             else ""
         )
-        text = f"step {self.step}: scale {self.scale:g}{move}"
+        replay = f" (attempt {self.attempt + 1} at its batch)" if self.attempt else ""
+        text = f"step {self.step}{replay}: scale {self.scale:g}{move}"
         if self.skipped:
             text += "; skipped"
             if self.overflow is not None:
@@ -139,6 +144,8 @@ class StepRecord:
             data["label"] = self.label
         if self.spike:
             data["spike"] = True
+        if self.attempt:
+            data["attempt"] = self.attempt
         return data
 
     def to_json_line(self) -> str:
@@ -169,6 +176,7 @@ class StepRecord:
             lr=None if data.get("lr") is None else float(data["lr"]),
             label=None if data.get("label") is None else str(data["label"]),
             spike=bool(data.get("spike", False)),
+            attempt=int(data.get("attempt", 0)),
         )
 
 

@@ -288,6 +288,14 @@ class Policy(abc.ABC):
     #: gives the meter that measures it).
     measuring: ClassVar[bool] = False
 
+    @property
+    def holds_on_nonfinite_loss(self) -> bool:
+        """Whether the state stays as it is after an iteration whose loss was already inf/NaN
+        before scaling (a lower scale cannot help such a step; the scaler then leaves the
+        state untouched instead of calling :meth:`update_`). ``False`` by default: every
+        skipped iteration moves the policy, as torch's rule does."""
+        return False
+
     # ------------------------------------------------------------------ the state
 
     def initial_state(

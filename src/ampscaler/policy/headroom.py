@@ -150,7 +150,11 @@ class HeadroomPolicy(Policy):
         backoff_factor: multiplies the scale on an overflow; a power of two in (0, 1).
         recovery_interval: clean steps in a row after which a scale an overflow backed off
             doubles (up to the target); >= 1 (torch's ``growth_interval``, saved under that
-            name).
+            name). The default, 16, brings the scale back within a factor 2 of its target in
+            48 clean steps after up to four isolated outlier batches; an overflow the
+            measurement cannot see (raise ``margin`` for those) costs one skipped step per
+            ``recovery_interval`` (one replay with :meth:`GradScaler.attempts
+            <ampscaler.GradScaler.attempts>`).
         first_scale: the scale of the iterations before the first measurement (a power of
             two); the scaler's ``init_scale`` does not apply.
         min_scale: the scale never goes below this (a power of two); ``None``: ``2**-126``.
@@ -176,7 +180,7 @@ class HeadroomPolicy(Policy):
     history_length: int = 64
     sample_every: int = 32
     backoff_factor: float = 0.5
-    recovery_interval: int = 2000
+    recovery_interval: int = 16
     first_scale: float = 1.0
     min_scale: float | None = None
     max_scale: float | None = None
@@ -286,6 +290,13 @@ class HeadroomPolicy(Policy):
                 f"headroom[{name!r}]", saved.get(name), 0, _COUNT_MAX, integral_floats=True
             )
         return values
+
+    @property
+    def holds_on_nonfinite_loss(self) -> bool:
+        """``True``: an iteration whose loss was already inf/NaN before scaling (bad data, a
+        forward overflow) leaves the scale, the target and the measurements as they were; a
+        lower scale cannot help such a step."""
+        return True
 
     def set_scale_(self, state: PolicyState, value: float) -> None:
         """``update(new_scale)``: the scale, and what the measurements allow, until the next

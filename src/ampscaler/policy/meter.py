@@ -54,9 +54,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..errors import InvalidConfigError
+from ..distributed import refuse_alone
 from ..grads.collect import grad_views
 from ..taps import GradTaps, WatchedModels, leaf_modules
 from .headroom import HeadroomPolicy
@@ -180,7 +179,11 @@ class HeadroomMeter:
             self._started = False
             return None
         if not self._agreed:
-            _check_alone()
+            refuse_alone(
+                "HeadroomPolicy measures the gradients on each rank, and ranks that measure "
+                "differently would set different scales (with DDP, gradients scaled "
+                "differently would be averaged)."
+            )
             self._agreed = True  # checked once: the world does not change size
         seen = self._seen
         self._reset()
@@ -217,20 +220,3 @@ class HeadroomMeter:
     def __repr__(self) -> str:
         return f"HeadroomMeter({self._policy}, iteration={self._iteration})"
 
-
-def _check_alone() -> None:
-    """Refuse to measure on one rank of several without a group to agree over.
-
-    Ranks measure different gradients (their own batches, their own shards), so each would set
-    its own scale; with DDP, gradients computed at different scales would then be averaged.
-
-    Raises:
-        InvalidConfigError: torch.distributed is initialized with more than one rank.
-    """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise InvalidConfigError(
-            "HeadroomPolicy measures the gradients on each rank, and ranks that measure "
-            "differently would set different scales (with DDP, gradients scaled differently "
-            "would be averaged). Pass process_group= (torch.distributed.group.WORLD with DDP) "
-            "so that the ranks agree on the largest measurement, as they agree on overflow."
-        )

@@ -118,14 +118,19 @@ class ScalePolicy(Policy):
         max_scale: the scale never grows above this; ``None`` for no bound (growth still stops
             short of float32 infinity). Both bounds apply as float32, the scale's type: a bound
             that float32 cannot hold exactly is rounded to the nearest float32 first.
+        backoff_on_nonfinite_loss: ``True`` (torch's rule): an iteration whose loss was already
+            inf/NaN before scaling backs the scale off like any overflow. ``False``: it leaves
+            the scale, the growth tracker and the hysteresis budget as they were (a lower scale
+            cannot help such a step; the step is still skipped and counted).
 
     Raises:
         InvalidConfigError: (a ``ValueError``) naming the argument and its allowed range.
 
     Example:
-        >>> ScalePolicy(hysteresis=2, min_scale=1.0)
-        ScalePolicy(growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, hysteresis=2, min_scale=1.0, max_scale=None)
-    """  # noqa: E501
+        >>> ScalePolicy(hysteresis=2, min_scale=1.0)  # doctest: +NORMALIZE_WHITESPACE
+        ScalePolicy(growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, hysteresis=2,
+                    min_scale=1.0, max_scale=None, backoff_on_nonfinite_loss=True)
+    """
 
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -133,6 +138,7 @@ class ScalePolicy(Policy):
     hysteresis: int = 1
     min_scale: float | None = None
     max_scale: float | None = None
+    backoff_on_nonfinite_loss: bool = True
 
     def __post_init__(self) -> None:
         growth = require_number("growth_factor", self.growth_factor)
@@ -152,9 +158,19 @@ class ScalePolicy(Policy):
             raise InvalidConfigError(
                 f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})."
             )
-        values = (growth, backoff, interval, hysteresis, *bounds)
+        if not isinstance(self.backoff_on_nonfinite_loss, bool):
+            raise InvalidConfigError(
+                "backoff_on_nonfinite_loss must be True or False, got "
+                f"{self.backoff_on_nonfinite_loss!r}."
+            )
+        values = (growth, backoff, interval, hysteresis, *bounds, self.backoff_on_nonfinite_loss)
         for field, value in zip(dataclasses.fields(self), values, strict=True):
             object.__setattr__(self, field.name, value)  # plain Python numbers from here on
+
+    @property
+    def holds_on_nonfinite_loss(self) -> bool:
+        """``not backoff_on_nonfinite_loss``."""
+        return not self.backoff_on_nonfinite_loss
 
     @property
     def _torch_kernel(self) -> bool:
@@ -300,6 +316,7 @@ class ScalePolicy(Policy):
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
             "dynamic": True,
+            "backoff_on_nonfinite_loss": self.backoff_on_nonfinite_loss,
         }
 
     def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -316,6 +333,9 @@ class ScalePolicy(Policy):
             hysteresis=saved.get("hysteresis", self.hysteresis),
             min_scale=saved.get("min_scale", self.min_scale),
             max_scale=saved.get("max_scale", self.max_scale),
+            backoff_on_nonfinite_loss=saved.get(
+                "backoff_on_nonfinite_loss", self.backoff_on_nonfinite_loss
+            ),
         )
         budget = _saved_int(
             "_hysteresis_tracker", saved.get("_hysteresis_tracker", policy.hysteresis), 0, INT32_MAX
