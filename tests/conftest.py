@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,10 @@ def world_of_one() -> Iterator[dist.ProcessGroup]:
     try:
         yield dist.group.WORLD
     finally:
+        # Objects of the test that hold the group in reference cycles (scalers, their copies)
+        # go first: a group destroyed under them keeps its threads, and a rank forked later
+        # (tests/multirank.py) then hangs on their locks.
+        gc.collect()
         dist.destroy_process_group()
 
 

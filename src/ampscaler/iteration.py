@@ -148,6 +148,8 @@ class OptimizerRecord:
     local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
     # The guards' verdict (0-dim float, > 0: skip although finite); None without guards.
     spike: torch.Tensor | None = None
+    # found_inf > 0, when unscale_() already read it (None: not read yet).
+    known_overflow: bool | None = None
     outcome: StepOutcome | None = None  # set by step()
 
 
@@ -273,6 +275,16 @@ class Iteration:
     def flags(self) -> list[torch.Tensor]:
         """The inf flags of the optimizers that were checked."""
         return [r.found_inf for r in self.records.values() if r.found_inf is not None]
+
+    def outcome_flags(self) -> torch.Tensor:
+        """After ``update()``: ``[found_inf, spiked, loss flag]`` as one float32 tensor on the
+        scale's device (0 where there is none). A few device ops; no host sync."""
+        found = self.found_inf
+        assert found is not None, "the iteration ended with update()"
+        flags = [found, self.spiked, self.cause_flag()]
+        return torch.stack(
+            [torch.zeros_like(found) if f is None else f.to(found) for f in flags]
+        )
 
     def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The inf flags of the optimizers that were checked, and their sum (> 0 iff any

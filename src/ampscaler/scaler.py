@@ -22,8 +22,11 @@ performance routes (``flat_grads``, ``one_pass_fused``).
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -85,6 +88,46 @@ def _reciprocal(live: LiveState) -> torch.Tensor:
     if live.float64:
         return live.scale.double().reciprocal().float()
     return live.scale.reciprocal()
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame
+    outside ampscaler (the user's call)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+#: How many nodes of the first loss's backward graph are looked at for bfloat16 tensors: autocast
+#: casts to it near the loss, so a few suffice; the bound keeps one look at a large model short.
+_GRAPH_NODES = 256
+
+
+def _bfloat16_in_graph(loss: torch.Tensor) -> bool:
+    """Whether the backward graph of ``loss`` saved a bfloat16 tensor within its first
+    :data:`_GRAPH_NODES` nodes (a loss computed under bfloat16 autocast). No host sync; about a
+    millisecond, once."""
+    seen: set[object] = set()
+    queue = deque([loss.grad_fn])
+    while queue and len(seen) < _GRAPH_NODES:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    saved = getattr(node, name)
+                except RuntimeError:  # freed already (a graph backpropagated through)
+                    continue
+                if isinstance(saved, torch.Tensor) and saved.dtype == torch.bfloat16:
+                    return True
+        queue.extend(function for function, _ in node.next_functions)
+    return False
 
 
 def _scale_nested(
@@ -253,6 +296,7 @@ class GradScaler(TorchPrivateNames):
         )
         # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
         self._looks_for_bf16 = True
+        self._bf16_loss: bool | None = None  # whether the first loss came from bfloat16
         if self._enabled and self._device == "cpu":
             # Nothing to wait for on the CPU: made now, a compiled step sees one type of state
             # from its first call (no recompile when it would otherwise be made).
@@ -292,8 +336,7 @@ class GradScaler(TorchPrivateNames):
             return outputs
         # The losses are kept (not read) for the skip's cause and the guards.
         if not torch.compiler.is_compiling() and self._looks_for_bf16:
-            device = outputs.device.type if isinstance(outputs, torch.Tensor) else self._device
-            self._warn_if_bf16_autocast(device or "cuda")
+            self._look_for_bf16(outputs)
         if isinstance(outputs, torch.Tensor):
             self._keep_loss(outputs)
             return outputs * self._scale_on(outputs.device)
@@ -308,17 +351,26 @@ class GradScaler(TorchPrivateNames):
         if self._meter is not None and not torch.compiler.is_compiling():
             self._meter.start()
 
-    def _warn_if_bf16_autocast(self, device_type: str) -> None:
+    def _look_for_bf16(self, outputs: object) -> None:
+        """Warn once (first iteration only) when the loss comes from bfloat16: ``scale()`` runs
+        inside a bfloat16 autocast region, or the first loss's graph holds bfloat16 tensors
+        (the usual loop computes the loss under autocast and scales it outside)."""
+        tensor = outputs if isinstance(outputs, torch.Tensor) else None
+        device_type = tensor.device.type if tensor is not None else self._device or "cuda"
         if (
             device_type in ("cpu", "cuda", "xpu")
             and torch.is_autocast_enabled(device_type)
             and torch.get_autocast_dtype(device_type) == torch.bfloat16
         ):
             self._warn_bf16("scale() was called inside an autocast region of")
+        elif tensor is not None and self._bf16_loss is None:
+            # The first loss tells (one walk, not one per call); the warning waits for the
+            # check, where gradients all in bfloat16 say more (bfloat16 weights).
+            self._bf16_loss = _bfloat16_in_graph(tensor)
 
     def _warn_bf16(self, what: str) -> None:
         self._looks_for_bf16 = False  # once is enough
-        warnings.warn(BF16_MESSAGE.format(what=what), UserWarning, stacklevel=4)
+        warnings.warn(BF16_MESSAGE.format(what=what), UserWarning, stacklevel=_user_stacklevel())
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         if self._device is None:
@@ -333,7 +385,14 @@ class GradScaler(TorchPrivateNames):
 
         Optional: :meth:`step` unscales by itself. Call it to clip or inspect true gradients
         between ``backward()`` and :meth:`step`, once per optimizer per iteration, after all
-        gradients of the iteration have been accumulated. No host sync.
+        gradients of the iteration have been accumulated.
+
+        For a plain (not fused) optimizer it reads the check's flag at once: the one host sync
+        the :meth:`step` decision needs anyway, taken here instead (so a step still costs one),
+        so that an overflow is examined while the gradients are as the check saw them, before
+        clipping turns an inf into NaN (``inf * 0``). No host sync for a fused optimizer, with
+        a ``process_group`` (the flag is agreed in ``step()``), or under ``torch.compile``
+        (where ``unscale_`` traces into the graph).
 
         Example:
             >>> model = torch.nn.Linear(2, 1)
@@ -365,6 +424,15 @@ class GradScaler(TorchPrivateNames):
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
         self._unscale(record, live)
+        if (
+            not torch.compiler.is_compiling()
+            and self._agreement is None
+            and record.found_inf is not None
+            and not getattr(optimizer, "_step_supports_amp_scaling", False)
+        ):
+            record.known_overflow = bool(record.found_inf.item())
+            if record.known_overflow:
+                self._monitor.note_check(self._iteration, optimizer, live.counters)
 
     def _unscale(self, record: OptimizerRecord, live: LiveState) -> None:
         groups = self._collect(record.optimizer, live, allow_fp16=self._unscale_allows_fp16)
@@ -391,6 +459,8 @@ class GradScaler(TorchPrivateNames):
             dtypes = {dtype for per_dtype in groups.values() for dtype in per_dtype}
             if dtypes == {torch.bfloat16}:
                 self._warn_bf16("every gradient of this optimizer is")
+            elif self._bf16_loss:
+                self._warn_bf16("the loss was computed in")
         return groups
 
     def _check(
@@ -492,6 +562,8 @@ class GradScaler(TorchPrivateNames):
             skipped, origins = self._agreement.decide(
                 record.local_found_inf, skip, self._iteration.first_nonfinite_loss
             )
+        elif record.known_overflow is not None and record.spike is None:
+            skipped = record.known_overflow  # unscale_() read it
         else:
             skipped = bool(skip.item())
         # Only a skipped step with a guard needs to know which flag it was: a second read.
@@ -819,6 +891,63 @@ class GradScaler(TorchPrivateNames):
     def policy(self) -> Policy:
         """The scale policy in force (read-only; use the setters or a new scaler to change it)."""
         return self._state.policy
+
+    def metrics(self, prefix: str = "scaler/") -> dict[str, float | int]:
+        """The scaler's numbers for a logger: a flat dict of plain Python numbers, their names
+        starting with ``prefix``.
+
+        - ``scale``: the loss scale now (a float);
+        - ``skipped``: 1 if the last iteration (the last ``update()``) skipped a step, else 0;
+        - ``skip_cause``: why, as a number: 0 it stepped, 1 its scaled gradients overflowed
+          (the scale backed off), 2 a loss was already inf/NaN before scaling, 3 a guard
+          vetoed finite gradients;
+        - ``steps``, ``skips``, ``replays``, ``growths``, ``backoffs``, ``spike_skips``,
+          ``consecutive_skips``: the running counts (:attr:`stats`; ``skips`` is
+          ``stats.skipped``).
+
+        One host sync, whatever is asked: every value is read from the device in one copy
+        (what ``get_scale()`` alone costs). Call it after :meth:`update`, every step if you
+        like::
+
+            wandb.log(scaler.metrics(), step=step)                           # Weights & Biases
+            for name, value in scaler.metrics().items():                     # TensorBoard
+                writer.add_scalar(name, value, step)
+            self.log_dict(scaler.metrics())                                  # Lightning module
+
+        Example:
+            >>> import torch, ampscaler
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu", init_scale=256.0)
+            >>> scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+            >>> scaler.step(opt)
+            >>> scaler.update()
+            >>> metrics = scaler.metrics()
+            >>> metrics["scaler/scale"], metrics["scaler/skipped"], metrics["scaler/skip_cause"]
+            (128.0, 1, 2)
+        """
+        live = self._state.live if self._enabled else None
+        finished = self._finished
+        if live is None or finished is None:
+            scale, stats, cause = self.get_scale(), self.stats, 0
+        else:
+            read = read_values([live.scale, live.counters.values, finished.outcome_flags()])
+            scale, stats = read[0], ScalerStats(*read[1])
+            found, spike, loss = read[2]
+            cause = (2 if loss > 0 else 1) if found > 0 else (3 if spike > 0 else 0)
+        values: dict[str, float | int] = {
+            "scale": float(scale),
+            "skipped": int(cause > 0),
+            "skip_cause": cause,
+            "steps": stats.steps,
+            "skips": stats.skipped,
+            "replays": stats.replays,
+            "growths": stats.growths,
+            "backoffs": stats.backoffs,
+            "spike_skips": stats.spike_skips,
+            "consecutive_skips": stats.consecutive_skips,
+        }
+        return {prefix + name: value for name, value in values.items()}
 
     @property
     def stats(self) -> ScalerStats:

@@ -78,6 +78,9 @@ class _Observed:
     trace: list[TraceEvent] | None = None
     resolved: bool = False
     report: OverflowReport | None = None
+    # Optimizers whose overflow was localized at unscale_(), before anything changed their
+    # gradients (clipping turns inf into NaN).
+    checked: set[int] = field(default_factory=set)
 
 
 class Monitor:
@@ -214,6 +217,19 @@ class Monitor:
         if self._probe is not None:
             self._probe.measure(optimizer, scale)
 
+    def note_check(
+        self,
+        iteration: Iteration,
+        optimizer: torch.optim.Optimizer,
+        counters: StepCounters | None,
+    ) -> None:
+        """``unscale_()`` found inf/NaN in ``optimizer``'s gradients: localize now, while they
+        are as the check saw them (host syncs, on overflowing checks only); the step that
+        follows reports it."""
+        observed = self._observe(iteration)
+        self.note_step(iteration, optimizer, True, counters)
+        observed.checked.add(id(optimizer))
+
     def note_step(
         self,
         iteration: Iteration,
@@ -232,7 +248,7 @@ class Monitor:
         observed = self._observe(iteration)
         if isinstance(found_inf, torch.Tensor):
             observed.fused.append((optimizer, found_inf))
-        elif found_inf:
+        elif found_inf and id(optimizer) not in observed.checked:
             step = 0 if counters is None else int(counters.steps.item())
             events = None if self._tracer is None else self._tracer.events
             scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
