@@ -308,8 +308,9 @@ def train_with_replay(rank: int, world: int) -> list[Any]:
             scaler.update()
             opt.zero_grad(set_to_none=True)
             report = scaler.last_overflow
-            tries.append(None if report is None else (report.cause, tuple(report.ranks),
-                                                      report.micro_batch))
+            tries.append(
+                None if report is None else (report.cause, tuple(report.ranks), report.micro_batch)
+            )
         for i, p in enumerate(params):
             dist.broadcast(p.data, src=i % world)
         seen.append(tries)

@@ -17,9 +17,7 @@ SCALES = st.one_of(
 GROWTH = st.one_of(
     st.sampled_from([2.0, 1.5, 3.0, 1.37]), st.floats(min_value=1.001, max_value=16.0)
 )
-BACKOFF = st.one_of(
-    st.sampled_from([0.5, 0.25, 0.31]), st.floats(min_value=0.001, max_value=0.999)
-)
+BACKOFF = st.one_of(st.sampled_from([0.5, 0.25, 0.31]), st.floats(min_value=0.001, max_value=0.999))
 
 
 @dataclass(frozen=True)
@@ -40,17 +38,13 @@ class Setup:
 
 
 @st.composite
-def setups(
-    draw: st.DrawFn, torch_compatible: bool = False, skip_limits: bool = True
-) -> Setup:
+def setups(draw: st.DrawFn, torch_compatible: bool = False, skip_limits: bool = True) -> Setup:
     """Any valid configuration; ``torch_compatible`` keeps to what torch's scaler can express."""
     growth_factor = draw(GROWTH)
     backoff_factor = draw(BACKOFF)
     growth_interval = draw(st.integers(1, 5))
     if torch_compatible:
-        return Setup(
-            RefConfig(growth_factor, backoff_factor, growth_interval), draw(SCALES), None
-        )
+        return Setup(RefConfig(growth_factor, backoff_factor, growth_interval), draw(SCALES), None)
     values = sorted(draw(st.lists(SCALES, min_size=3, max_size=3)))
     low, init_scale, high = values
     limit = draw(st.one_of(st.none(), st.integers(1, 4))) if skip_limits else None

@@ -139,9 +139,7 @@ def checkpoint(run: Run) -> dict[str, Any]:
     }
 
 
-def restore(
-    case: Case, saved: dict[str, Any], scaler_kwargs: dict[str, Any] | None = None
-) -> Run:
+def restore(case: Case, saved: dict[str, Any], scaler_kwargs: dict[str, Any] | None = None) -> Run:
     """A fresh run loaded from ``saved`` (a checkpoint as returned by ``torch.load``)."""
     run = build(case, scaler_kwargs)
     run.model.load_state_dict(saved["model"])

@@ -61,8 +61,9 @@ def test_report_renders_valid_pngs_from_a_training_log(
         "gradients flushed to 0: "
     )
     assert printed[0].endswith("% over 5 probed steps")
-    assert printed[1:] == [str(out / name) for name in ("scale.png", "skips.png", "probe.png",
-                                                         "probe_modules.png")]
+    assert printed[1:] == [
+        str(out / name) for name in ("scale.png", "skips.png", "probe.png", "probe_modules.png")
+    ]
 
 
 def test_python_dash_m_runs_the_cli(

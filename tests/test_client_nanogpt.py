@@ -60,7 +60,9 @@ def train(factory: Any, steps: int = 12, micro_steps: int = 2) -> dict[str, Any]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95), fused=True,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        fused=True,
     )
     scaler = factory("cpu", init_scale=2.0**24)  # overflows at first, as a big init would
     data = torch.Generator().manual_seed(1)

@@ -138,9 +138,7 @@ def test_skipped_fused_steps_hold_the_trainers_lr_schedule(tmp_path: Path) -> No
 def test_resuming_from_a_trainer_checkpoint_continues_exactly(tmp_path: Path) -> None:
     saving = {"save_strategy": "steps", "save_steps": STEPS // 2}
     whole = make_trainer(tmp_path / "whole", **saving)
-    whole_scaler = use_scaler_in_trainer(
-        whole, ampscaler.GradScaler("cpu", hysteresis=2, **SCALER)
-    )
+    whole_scaler = use_scaler_in_trainer(whole, ampscaler.GradScaler("cpu", hysteresis=2, **SCALER))
     whole.train()
 
     resumed = make_trainer(tmp_path / "resumed", **saving)

@@ -32,4 +32,3 @@ def test_verls_actor_under_patch_torch_matches_torchs_sharded_scaler() -> None:
             assert torch.equal(a, b)
     rank0, rank1 = (r["verl_actor"]["ampscaler"]["params"] for r in results)
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1, strict=True))
-

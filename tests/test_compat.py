@@ -90,7 +90,9 @@ def test_rule_attributes_read_and_write_like_torchs() -> None:
     for factory in BOTH:
         scaler = factory("cpu", growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
         assert (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval) == (
-            4.0, 0.25, 7,
+            4.0,
+            0.25,
+            7,
         )
         scaler._growth_factor = 3.0
         assert scaler.get_growth_factor() == 3.0

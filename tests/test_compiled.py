@@ -93,9 +93,7 @@ def whole_step(factory: type, kind: str, set_to_none: bool, compiled: bool) -> R
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "keep_grads"])
 @pytest.mark.parametrize("kind", ["plain", "foreach", "fused"])
-def test_whole_compiled_step_breaks_and_graphs_at_most_torchs(
-    kind: str, set_to_none: bool
-) -> None:
+def test_whole_compiled_step_breaks_and_graphs_at_most_torchs(kind: str, set_to_none: bool) -> None:
     theirs = whole_step(torch.amp.GradScaler, kind, set_to_none, compiled=True)
     torch._dynamo.reset()
     counters.clear()

@@ -23,7 +23,10 @@ def test_short_demo_writes_summary_log_and_plots(
     out = tmp_path / "demo"
     assert main(["demo", "--steps", "12", "--out", str(out), "--seed", "3"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "loss.png", "scale.png", "steps.jsonl", "summary.json"
+        "loss.png",
+        "scale.png",
+        "steps.jsonl",
+        "summary.json",
     ]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["arms"]) == ARMS
@@ -89,7 +92,9 @@ def test_out_that_is_a_file_or_cannot_be_made(
 def test_module_entry_point_runs() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ampscaler", "demo", "--steps", "0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2 and "--steps" in done.stderr and "Traceback" not in done.stderr
 

@@ -375,5 +375,7 @@ def test_a_probe_attached_after_watch_taps_the_watched_models() -> None:
     assert _hooked_modules(model) == ["body.0", "body.1", "body.2", "head"]
     run_loop(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
     assert [r.probe is not None and bool(r.probe.modules) for r in scaler.history] == [
-        True, False, True
+        True,
+        False,
+        True,
     ]

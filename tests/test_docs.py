@@ -24,8 +24,10 @@ def test_the_quickstart_prints_the_two_reports_the_readme_announces(seed: int) -
     """The README says the Quickstart prints two overflow reports at the starting scale, and
     that this is the scale finding its ceiling: a changed loop or policy must change the text."""
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    assert "this prints two overflow reports, usually on the first few steps, both at the " \
+    assert (
+        "this prints two overflow reports, usually on the first few steps, both at the "
         "starting scale (`step 1: non-finite gradients at scale 65536 ...`)" in readme
+    )
     torch.manual_seed(seed)  # the Quickstart's model and data are random
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -56,6 +58,7 @@ def test_the_tracer_snippet_runs_after_a_clean_iteration() -> None:
     code = snippet.replace('"cuda"', '"cpu"').replace("\n...\n", "\n" + step)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(code, {"model": model, "optimizer": optimizer, "torch": torch,
-                    "GradScaler": GradScaler})
+        exec(
+            code, {"model": model, "optimizer": optimizer, "torch": torch, "GradScaler": GradScaler}
+        )
     assert printed.getvalue() == ""  # a clean iteration: no overflow, nothing to print

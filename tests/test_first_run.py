@@ -49,8 +49,7 @@ def test_readme_demo_table_and_images_are_what_the_demo_makes(tmp_path: Path) ->
     shown = re.search(r"```\n(arm +final loss.*?\n)```", README, re.S)
     assert shown is not None
     assert summary_table(outcome) + "\n" == shown.group(1), (
-        "README.md's demo table is out of date: PYTHONPATH=src python "
-        "scripts/update_readme_demo.py"
+        "README.md's demo table is out of date: PYTHONPATH=src python scripts/update_readme_demo.py"
     )
     for written, in_docs in (("loss.png", "demo-loss.png"), ("scale.png", "demo-scale.png")):
         fresh = imread(tmp_path / written)
@@ -99,8 +98,9 @@ def test_a_missing_extra_is_one_line_exit_2_and_nothing_written(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     log = tmp_path / "steps.jsonl"
-    log.write_text(StepRecord(step=0, scale=1.0, new_scale=1.0, skipped=False, time=0.0)
-                   .to_json_line() + "\n")
+    log.write_text(
+        StepRecord(step=0, scale=1.0, new_scale=1.0, skipped=False, time=0.0).to_json_line() + "\n"
+    )
     argv = [str(log) if word == "LOG" else word for word in command]
     out = tmp_path / "out"
     monkeypatch.setitem(sys.modules, hidden, None)  # as if it were not installed
@@ -174,15 +174,24 @@ def test_scaling_a_dict_says_dicts_are_not_supported() -> None:
 
 
 def test_the_scale_line_ends_at_the_scale_after_the_last_update() -> None:
-    records = [StepRecord(step=i, scale=2.0**i, new_scale=2.0 ** (i + 1), skipped=False,
-                          time=0.0) for i in range(3)]
+    records = [
+        StepRecord(step=i, scale=2.0**i, new_scale=2.0 ** (i + 1), skipped=False, time=0.0)
+        for i in range(3)
+    ]
     steps, scales = scale_series(records)
     assert steps[-1] == 3 and scales[-1] == 2.0**3  # what get_scale() gives after the run
 
 
 def _probed(fractions: dict[str, float]) -> list[StepRecord]:
-    probe = ProbeResult(scale=8.0, elements=10, nonzero=10, underflow_at_scale=0.0,
-                        underflow_at_one=0.1, headroom_log2=3.0, modules=fractions)
+    probe = ProbeResult(
+        scale=8.0,
+        elements=10,
+        nonzero=10,
+        underflow_at_scale=0.0,
+        underflow_at_one=0.1,
+        headroom_log2=3.0,
+        modules=fractions,
+    )
     return [StepRecord(step=0, scale=8.0, new_scale=8.0, skipped=False, time=0.0, probe=probe)]
 
 
@@ -203,11 +212,21 @@ def test_sharded_example_refuses_an_overflow_rank_it_does_not_have() -> None:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "sharded.py"), "--overflow-rank", "5"],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 2
     assert "--overflow-rank 5 is not a rank of this run" in done.stderr

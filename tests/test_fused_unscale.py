@@ -245,8 +245,12 @@ def test_the_route_survives_long_runs_without_reading_the_scale() -> None:
 
     kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
     _, routes = _train(
-        _one_pass, FUSED["sgd"], steps=steps, overflow_at=overflow_at,
-        scaler_kwargs=kwargs, read_scale=False,
+        _one_pass,
+        FUSED["sgd"],
+        steps=steps,
+        overflow_at=overflow_at,
+        scaler_kwargs=kwargs,
+        read_scale=False,
     )
     assert routes == ["check"] * steps
 
@@ -258,12 +262,20 @@ def test_a_scale_backed_off_150_times_stops_at_two_to_the_minus_126_on_the_fast_
     kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
     overflow_at = tuple(range(150))
     ours, routes = _train(
-        _one_pass, FUSED["adam"], steps=162, overflow_at=overflow_at,
-        scaler_kwargs=kwargs, read_scale=False,
+        _one_pass,
+        FUSED["adam"],
+        steps=162,
+        overflow_at=overflow_at,
+        scaler_kwargs=kwargs,
+        read_scale=False,
     )
     default, default_routes = _train(
-        ampscaler.GradScaler, FUSED["adam"], steps=162, overflow_at=overflow_at,
-        scaler_kwargs=kwargs, read_scale=False,
+        ampscaler.GradScaler,
+        FUSED["adam"],
+        steps=162,
+        overflow_at=overflow_at,
+        scaler_kwargs=kwargs,
+        read_scale=False,
     )
     _assert_same(ours, default)
     assert routes == ["check"] * 162 and default_routes == ["kernel"] * 162

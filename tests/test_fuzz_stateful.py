@@ -72,8 +72,12 @@ class Side:
 
 def _torch_compatible(setup: Setup) -> bool:
     cfg = setup.config
-    return (cfg.hysteresis, cfg.min_scale, cfg.max_scale, cfg.dynamic) == (1, None, None, True) \
-        and setup.max_consecutive_skips is None
+    return (cfg.hysteresis, cfg.min_scale, cfg.max_scale, cfg.dynamic) == (
+        1,
+        None,
+        None,
+        True,
+    ) and setup.max_consecutive_skips is None
 
 
 def _through_bytes(state: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +123,8 @@ class ScalerMachine(RuleBasedStateMachine):
 
     def _nonfinite(self, index: int) -> bool:
         return any(
-            not torch.isfinite(p.grad).all() for p in self.ours.opt_params(index)
+            not torch.isfinite(p.grad).all()
+            for p in self.ours.opt_params(index)
             if p.grad is not None
         )
 
@@ -216,8 +221,10 @@ class ScalerMachine(RuleBasedStateMachine):
         self._assert_twins_equal(skipped_fused=self.flagged[index] and index == 1 and self.fused)
 
     @precondition(lambda self: UNSCALED in self.stages or STEPPED in self.stages)
-    @rule(new_scale=st.one_of(st.none(), st.sampled_from([1.0, 3.5, 256.0, 2.0**40])),
-          as_tensor=st.booleans())
+    @rule(
+        new_scale=st.one_of(st.none(), st.sampled_from([1.0, 3.5, 256.0, 2.0**40])),
+        as_tensor=st.booleans(),
+    )
     def update(self, new_scale: float | None, as_tensor: bool) -> None:
         overflow = any(f for f, s in zip(self.flagged, self.stages, strict=True) if s != READY)
         if new_scale is not None:

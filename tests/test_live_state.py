@@ -31,8 +31,13 @@ def _step(scaler: ampscaler.GradScaler, model: torch.nn.Module, poison: bool) ->
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("policy", [ScalePolicy(growth_interval=1), ScalePolicy(
-    growth_interval=1, hysteresis=2, min_scale=1.0, max_scale=2.0**20)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        ScalePolicy(growth_interval=1),
+        ScalePolicy(growth_interval=1, hysteresis=2, min_scale=1.0, max_scale=2.0**20),
+    ],
+)
 def test_updates_setters_and_loads_keep_the_same_tensors(policy: ScalePolicy) -> None:
     model = torch.nn.Linear(2, 1)
     scaler = ampscaler.GradScaler("cpu", init_scale=1024.0, policy=policy)

@@ -48,15 +48,30 @@ def test_catalogue_covers_every_bad_constructor_value_of_issue_3() -> None:
     constructor = [c for c in CASES if c.section == "Constructor arguments"]
     named = {word for c in constructor for word in c.mentions}
     assert {
-        "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
-        "max_scale", "init_scale", "max_consecutive_skips",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "hysteresis",
+        "min_scale",
+        "max_scale",
+        "init_scale",
+        "max_consecutive_skips",
     } <= named
     calls = " ".join(c.code for c in constructor)
     for bad in (
-        "growth_factor=1.0", "backoff_factor=1.0", "backoff_factor=0.0", "growth_interval=0",
-        "hysteresis=0", "min_scale=4.0, max_scale=2.0", 'init_scale=float("nan")',
-        'init_scale=float("inf")', "init_scale=0.0", "init_scale=-1.0", "max_scale=1024.0",
-        "init_scale=0.5, min_scale=1.0", "max_consecutive_skips=0",
+        "growth_factor=1.0",
+        "backoff_factor=1.0",
+        "backoff_factor=0.0",
+        "growth_interval=0",
+        "hysteresis=0",
+        "min_scale=4.0, max_scale=2.0",
+        'init_scale=float("nan")',
+        'init_scale=float("inf")',
+        "init_scale=0.0",
+        "init_scale=-1.0",
+        "max_scale=1024.0",
+        "init_scale=0.5, min_scale=1.0",
+        "max_consecutive_skips=0",
     ):
         assert bad in calls
     # ValueError as the issue asks, and AssertionError as torch raises for what it checks.

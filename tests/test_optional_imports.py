@@ -8,7 +8,12 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 OPTIONAL = (
-    "lightning", "pytorch_lightning", "accelerate", "transformers", "tensorboard", "matplotlib",
+    "lightning",
+    "pytorch_lightning",
+    "accelerate",
+    "transformers",
+    "tensorboard",
+    "matplotlib",
 )
 
 

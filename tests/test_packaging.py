@@ -42,8 +42,13 @@ print(ampscaler.__version__, scaler.get_scale(), scaler.last_step_skipped)
 def _run(*command: str | Path, cwd: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     done = subprocess.run(
-        [str(part) for part in command], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=180, check=False,
+        [str(part) for part in command],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout
@@ -65,11 +70,25 @@ def test_the_built_wheel_installs_into_a_fresh_venv_and_scales(tmp_path: Path) -
     fresh = tmp_path / "venv"
     venv.create(fresh, with_pip=False)
     python = fresh / "bin" / "python"
-    site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
-                     cwd=tmp_path).strip())
+    site = Path(
+        _run(
+            python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path
+        ).strip()
+    )
     (site / "torch-from-the-test-env.pth").write_text(str(Path(torch.__file__).parents[1]))
-    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
-         "--quiet", wheel, cwd=tmp_path)
+    _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--quiet",
+        wheel,
+        cwd=tmp_path,
+    )
     printed = _run(python, "-c", SMOKE, cwd=tmp_path).split()
     assert printed == [version, "1024.0", "False"]
     script = (fresh / "bin" / "ampscaler").read_text()  # the console script pip wrote

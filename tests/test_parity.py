@@ -38,9 +38,5 @@ def test_scripts_exercise_every_case() -> None:
     assert sum(it.new_scale is not None and it.new_scale_as_tensor for it in iterations) > 3
     assert sum(it.new_scale is not None and not it.new_scale_as_tensor for it in iterations) > 3
     traces = [run_twin(s, ampscaler.GradScaler) for s in scripts[:8]]
-    moves = [
-        (b > a, b < a)
-        for t in traces
-        for a, b in zip(t.scales, t.scales[1:], strict=False)
-    ]
+    moves = [(b > a, b < a) for t in traces for a, b in zip(t.scales, t.scales[1:], strict=False)]
     assert any(up for up, _ in moves) and any(down for _, down in moves)

@@ -143,8 +143,9 @@ def test_a_call_that_contradicts_a_setting_is_refused() -> None:
         ampscaler.ScalePolicy(growth_interval=400)
     )
     ampscaler.patch_torch(device="cuda")
-    with pytest.raises(ampscaler.InvalidConfigError, match="device='cpu'"), pytest.warns(
-        FutureWarning
+    with (
+        pytest.raises(ampscaler.InvalidConfigError, match="device='cpu'"),
+        pytest.warns(FutureWarning),
     ):
         torch.cpu.amp.GradScaler()
 

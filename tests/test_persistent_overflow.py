@@ -35,7 +35,9 @@ def _setup(
 
 
 def _iterate(
-    net: _Net, optimizer: torch.optim.Optimizer, scaler: ampscaler.GradScaler,
+    net: _Net,
+    optimizer: torch.optim.Optimizer,
+    scaler: ampscaler.GradScaler,
     poison: dict[str, float],
 ) -> None:
     scaler.scale(net(torch.ones(2, 3)).sum()).backward()

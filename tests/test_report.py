@@ -60,9 +60,7 @@ def _summary(folder: Path) -> dict[str, Any]:
     return arms
 
 
-def test_the_unscaled_arms_chart_data_is_the_tables_number(
-    demo: tuple[Path, DemoOutcome]
-) -> None:
+def test_the_unscaled_arms_chart_data_is_the_tables_number(demo: tuple[Path, DemoOutcome]) -> None:
     folder, outcome = demo
     runs = by_label(read_log(folder / "steps.jsonl"))
     summary = _summary(folder)
@@ -107,8 +105,10 @@ def test_one_line_per_arm_no_skip_chart_without_a_scaler_and_titles_naming_the_a
     assert f"{FP16_NO_SCALING}: no skips chart: it ran without loss scaling" in printed
     written = {path.name for path in out.iterdir()}
     assert written == {
-        "scale.png", f"skips-{FP16_AMPSCALER}.png",
-        *(f"probe-{arm}.png" for arm in ARMS), *(f"probe_modules-{arm}.png" for arm in ARMS),
+        "scale.png",
+        f"skips-{FP16_AMPSCALER}.png",
+        *(f"probe-{arm}.png" for arm in ARMS),
+        *(f"probe_modules-{arm}.png" for arm in ARMS),
     }
     for name, figure in figures.items():
         if name != "scale.png":  # (its title: test_the_scale_chart_leaves_out_...)
@@ -132,10 +132,18 @@ def test_the_scale_chart_leaves_out_runs_without_a_scaler(demo: tuple[Path, Demo
 def _probed(counts: dict[str, UnderflowCounts]) -> list[StepRecord]:
     """One probed step of a run whose watched modules had ``counts``."""
     total = sum(counts.values(), UnderflowCounts())
-    probe = ProbeResult(scale=8.0, elements=4, nonzero=4, underflow_at_scale=0.0,
-                        underflow_at_one=0.0, headroom_log2=3.0,
-                        modules={name: c.fraction for name, c in counts.items()},
-                        module_counts=counts, activations=total, activation_dtypes=("float16",))
+    probe = ProbeResult(
+        scale=8.0,
+        elements=4,
+        nonzero=4,
+        underflow_at_scale=0.0,
+        underflow_at_one=0.0,
+        headroom_log2=3.0,
+        modules={name: c.fraction for name, c in counts.items()},
+        module_counts=counts,
+        activations=total,
+        activation_dtypes=("float16",),
+    )
     return [StepRecord(step=0, scale=8.0, new_scale=8.0, skipped=False, time=0.0, probe=probe)]
 
 
@@ -159,7 +167,9 @@ def test_a_module_chart_of_small_shares_zooms_in_and_writes_the_values(
 def test_a_module_chart_with_nothing_to_show_is_left_out_with_a_note(tmp_path: Path) -> None:
     records = _probed({"fc": UnderflowCounts(carrying_signal=100, underflowed=0, flushed=0)})
     assert {p.name for p in render_report(records, tmp_path)} == {
-        "scale.png", "skips.png", "probe.png"
+        "scale.png",
+        "skips.png",
+        "probe.png",
     }
     assert report_notes(records) == [
         "no module chart: no watched module's gradient was zero or subnormal"
@@ -170,11 +180,16 @@ def _demo_like_log(folder: Path) -> Path:
     """A small log shaped as the demo's: an arm without a scaler and one with, 3 steps each."""
     folder.mkdir(parents=True)
     log = folder / "steps.jsonl"
-    log.write_text("".join(
-        StepRecord(step=i, scale=scale, new_scale=scale, skipped=False, time=0.0, label=arm)
-        .to_json_line() + "\n"
-        for arm, scale in ((FP32, 1.0), (FP16_AMPSCALER, 1024.0)) for i in range(3)
-    ))
+    log.write_text(
+        "".join(
+            StepRecord(
+                step=i, scale=scale, new_scale=scale, skipped=False, time=0.0, label=arm
+            ).to_json_line()
+            + "\n"
+            for arm, scale in ((FP32, 1.0), (FP16_AMPSCALER, 1024.0))
+            for i in range(3)
+        )
+    )
     return log
 
 
@@ -188,7 +203,8 @@ def test_report_takes_several_logs_each_into_its_own_folder(
     assert sorted(p.name for p in out.iterdir()) == ["ampscaler-demo-1", "ampscaler-demo-2"]
     for folder in out.iterdir():
         assert sorted(p.name for p in folder.iterdir()) == [
-            "scale.png", f"skips-{FP16_AMPSCALER}.png"
+            "scale.png",
+            f"skips-{FP16_AMPSCALER}.png",
         ]
     printed = capsys.readouterr().out.splitlines()
     assert [line for line in printed if not line.startswith("  ")] == [f"{log}:" for log in logs]
@@ -218,16 +234,19 @@ def test_the_loss_chart_draws_fp32_dashed_on_top(demo: tuple[Path, DemoOutcome])
     lines = {line.get_label(): line for line in axes.get_lines()}
     fp32 = lines[FP32]
     assert fp32.get_linestyle() == "--"
-    assert all(fp32.get_zorder() > line.get_zorder() for name, line in lines.items()
-               if name != FP32)
+    assert all(
+        fp32.get_zorder() > line.get_zorder() for name, line in lines.items() if name != FP32
+    )
     assert fp32.get_linewidth() < lines[FP16_AMPSCALER].get_linewidth()  # the blue shows
     legend = [text.get_text() for text in axes.get_legend().get_texts()]
     assert legend == list(ARMS)
 
 
 def test_report_summary_of_a_plain_log() -> None:
-    records = [StepRecord(step=i, scale=4.0, new_scale=4.0 if i else 2.0, skipped=i == 0,
-                          time=0.0) for i in range(3)]
+    records = [
+        StepRecord(step=i, scale=4.0, new_scale=4.0 if i else 2.0, skipped=i == 0, time=0.0)
+        for i in range(3)
+    ]
     assert report_summary(records) == ["3 steps, 1 skipped, final scale 4"]
     assert report_notes(records) == []
 

@@ -60,7 +60,11 @@ def resumed(uninterrupted: tuple[Path, dict[str, list[Record]]]) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
     done = subprocess.run(
         [sys.executable, str(TESTS / "resume_worker.py"), str(folder)],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     # The worker ran this checkout's ampscaler, not an installed copy.

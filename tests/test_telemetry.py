@@ -23,8 +23,9 @@ INF, NAN = float("inf"), float("nan")
 POISON = {2: {"head.weight": INF}, 3: {"body.0.bias": NAN}, 7: {"body.2.weight": INF}}
 
 
-def _train(scaler: Any, steps: int = 10, poison: dict[int, dict[str, float]] | None = None,
-           **kwargs: Any) -> Net:
+def _train(
+    scaler: Any, steps: int = 10, poison: dict[int, dict[str, float]] | None = None, **kwargs: Any
+) -> Net:
     torch.manual_seed(0)
     model = Net()
     if isinstance(scaler, GradScaler):
@@ -91,7 +92,8 @@ def test_update_reads_nothing_from_the_device_unless_records_are_consumed(
     model = Net()
     optimizer = (
         torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-        if fused else torch.optim.SGD(model.parameters(), lr=1e-3)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=1e-3)
     )
     scaler = GradScaler("cpu", growth_interval=2)
     scaler.watch(model)
@@ -231,9 +233,7 @@ def test_record_text_and_dict_round_trip() -> None:
     report = ampscaler.OverflowReport(
         step=4, names=["w"], kinds={"w": "nan"}, scale=8.0, origin="fc"
     )
-    record = StepRecord(
-        step=4, scale=8.0, new_scale=4.0, skipped=True, time=1.5, overflow=report
-    )
+    record = StepRecord(step=4, scale=8.0, new_scale=4.0, skipped=True, time=1.5, overflow=report)
     assert str(record) == (
         "step 4: scale 8, backed off to 4; skipped (step 4: non-finite gradients at scale 8 in "
         "1 parameter(s): w (nan); first non-finite in the backward of fc)"

@@ -107,8 +107,7 @@ def _scales_and_trackers(
 
 def test_update_scale_grows_and_backs_off_like_torch() -> None:
     overflows = [False, False, True, False, False, False, True, True]
-    kwargs = {"init_scale": 2.0, "growth_factor": 3.0, "backoff_factor": 0.25,
-              "growth_interval": 2}
+    kwargs = {"init_scale": 2.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 2}
     seen = _same(lambda make: _scales_and_trackers(make, overflows, float("nan"), **kwargs))
     assert seen[1] == (6.0, 0) and seen[2] == (1.5, 0)
 
@@ -265,9 +264,11 @@ def test_fp16_sparse_gradients_are_coalesced_before_the_check() -> None:
         param.grad = torch.sparse_coo_tensor(indices, values, (2,), check_invariants=True)
         scaler.step(opt)
         assert param.grad.is_coalesced()
-        assert scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] if (
-            make is torch.amp.GradScaler
-        ) else scaler.last_step_skipped
+        assert (
+            scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+            if (make is torch.amp.GradScaler)
+            else scaler.last_step_skipped
+        )
         scaler.update()
         assert scaler.get_scale() == 2.0**15
 
@@ -391,8 +392,13 @@ def _train(make: Factory, pattern: str, fused: bool = False, enabled: bool = Tru
 @pytest.mark.parametrize(
     "pattern",
     [
-        "plain", "accumulation", "penalty", "clipping", "clipping_separate_unscale",
-        "clipping_inf", "pickled",
+        "plain",
+        "accumulation",
+        "penalty",
+        "clipping",
+        "clipping_separate_unscale",
+        "clipping_inf",
+        "pickled",
     ],
 )
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
@@ -550,14 +556,18 @@ def test_scale_will_not_overflow() -> None:
 
 
 def test_state_dict_loads_both_ways() -> None:
-    ours = ampscaler.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.125,
-                                growth_interval=7)
+    ours = ampscaler.GradScaler(
+        "cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.125, growth_interval=7
+    )
     ours.scale(torch.tensor(1.0))
     ours._growth_tracker.fill_(5)  # type: ignore[union-attr]
     theirs = torch.amp.GradScaler("cpu")
     theirs.load_state_dict(ours.state_dict())
     assert theirs.state_dict() == {
-        "scale": 3.0, "growth_factor": 4.0, "backoff_factor": 0.125, "growth_interval": 7,
+        "scale": 3.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.125,
+        "growth_interval": 7,
         "_growth_tracker": 5,
     }
     back = ampscaler.GradScaler("cpu")
@@ -572,10 +582,12 @@ def test_load_state_dict_into_a_scaler_whose_scale_exists_or_not(used: bool) -> 
     scale tensor was made yet, and the next scale() uses them."""
 
     def run(make: Factory) -> Any:
-        source = make("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5,
-                      growth_interval=2)
-        target = make("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8,
-                      growth_interval=1)
+        source = make(
+            "cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2
+        )
+        target = make(
+            "cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1
+        )
         if used:
             target.scale(torch.tensor(4.0))
         target.load_state_dict(source.state_dict())
@@ -655,8 +667,11 @@ def test_setters_and_getters() -> None:
     scaler.set_growth_factor(3.0)
     scaler.set_backoff_factor(0.25)
     scaler.set_growth_interval(10)
-    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
-            scaler.get_growth_interval()) == (3.0, 0.25, 10)
+    assert (
+        scaler.get_growth_factor(),
+        scaler.get_backoff_factor(),
+        scaler.get_growth_interval(),
+    ) == (3.0, 0.25, 10)
     with pytest.raises(ValueError, match="growth_factor"):
         scaler.set_growth_factor(0.5)
     with pytest.raises(ValueError, match="growth_interval"):
@@ -785,8 +800,10 @@ def test_legacy_grad_scaler_protocol_is_refused_not_silently_ignored() -> None:
 def test_init_growth_tracker_is_kept_as_torch_keeps_it() -> None:
     """torch's pickling and state-dict tests read ``_init_growth_tracker``: 0 at construction,
     the loaded tracker after ``load_state_dict``, the tracker at pickling in a copy."""
-    scalers = [cls("cpu", init_scale=4.0, growth_interval=10) for cls in (torch.amp.GradScaler,
-                                                                           ampscaler.GradScaler)]
+    scalers = [
+        cls("cpu", init_scale=4.0, growth_interval=10)
+        for cls in (torch.amp.GradScaler, ampscaler.GradScaler)
+    ]
     for scaler in scalers:
         assert scaler._init_growth_tracker == 0
         model = torch.nn.Linear(2, 1)

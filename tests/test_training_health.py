@@ -359,9 +359,7 @@ def test_all_bf16_gradients_warn_once_and_fp16_autocast_does_not() -> None:
 # ---------------------------------------------------------------- early warning
 
 
-def _train_for(
-    steps: int, scaler: ampscaler.GradScaler, overflow: Callable[[int], bool]
-) -> None:
+def _train_for(steps: int, scaler: ampscaler.GradScaler, overflow: Callable[[int], bool]) -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler.watch(model)

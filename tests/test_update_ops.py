@@ -46,7 +46,11 @@ def test_fused_transition_equals_the_branch_free_one(seed: int) -> None:
 
 def reference(flags: list[bool], moves: list[int], start: ScalerStats) -> ScalerStats:
     steps, skipped, growths, backoffs, in_a_row = (
-        start.steps, start.skipped, start.growths, start.backoffs, start.consecutive_skips
+        start.steps,
+        start.skipped,
+        start.growths,
+        start.backoffs,
+        start.consecutive_skips,
     )
     for overflow, move in zip(flags, moves, strict=True):
         steps += 1

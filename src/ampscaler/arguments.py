@@ -33,8 +33,10 @@ def _device_type(device: object) -> str | None:
         # One line: a long repr (an optimizer's spans many lines) is named by its type.
         shown = repr(device)
         if isinstance(device, torch.optim.Optimizer):
-            shown = (f"the optimizer {type(device).__name__}; the optimizer goes to "
-                     "scaler.step(optimizer), not to GradScaler()")
+            shown = (
+                f"the optimizer {type(device).__name__}; the optimizer goes to "
+                "scaler.step(optimizer), not to GradScaler()"
+            )
         elif len(shown) > 40 or "\n" in shown:
             shown = f"an object of type {type(device).__name__}"
         raise InvalidConfigError(

@@ -176,8 +176,10 @@ def _read(path: Path) -> list[StepRecord]:
     except OSError as error:
         raise CommandError(f"cannot read {path} ({error.strerror or error}).") from error
     if log.cut_short:
-        print(f"{path}: its last line was cut short (a run stopped while writing it); "
-              "1 line left out.")
+        print(
+            f"{path}: its last line was cut short (a run stopped while writing it); "
+            "1 line left out."
+        )
     return log.records
 
 

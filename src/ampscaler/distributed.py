@@ -230,9 +230,7 @@ class RankAgreement:
         self.checked = True
 
     @staticmethod
-    def _describe(
-        name: str, local: SettingValue, column: dict[int, float | str | None]
-    ) -> str:
+    def _describe(name: str, local: SettingValue, column: dict[int, float | str | None]) -> str:
         integral = isinstance(local, (bool, int)) or (
             isinstance(local, torch.Tensor) and not local.is_floating_point()
         )
@@ -270,8 +268,10 @@ class RankAgreement:
         if not self.checked:
             self.check_settings(settings())
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        flags = [zero if flag is None else flag.to(device, torch.float32).reshape(())
-                 for flag in (found_inf, loss_nonfinite)]
+        flags = [
+            zero if flag is None else flag.to(device, torch.float32).reshape(())
+            for flag in (found_inf, loss_nonfinite)
+        ]
         local = torch.stack(flags)
         return local, self.launch(local)
 

@@ -51,7 +51,6 @@ class HostCopy:
         return self._value.tolist()
 
 
-
 #: struct's format character for each dtype a scaler's state holds.
 _FORMATS = {
     torch.float32: "f",

@@ -282,9 +282,7 @@ class Iteration:
         found = self.found_inf
         assert found is not None, "the iteration ended with update()"
         flags = [found, self.spiked, self.cause_flag()]
-        return torch.stack(
-            [torch.zeros_like(found) if f is None else f.to(found) for f in flags]
-        )
+        return torch.stack([torch.zeros_like(found) if f is None else f.to(found) for f in flags])
 
     def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The inf flags of the optimizers that were checked, and their sum (> 0 iff any

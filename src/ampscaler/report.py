@@ -292,8 +292,14 @@ def _plot_activations(axes: Axes, probes: Probes) -> None:
     small = [100 * c.fraction for _, c in measured]
     wording = flushed_wording(_dtypes(probes))
     axes.plot(steps, flushed, marker="o", color=_SKIP_COLOR, label=wording)
-    axes.plot(steps, small, marker="s", color=_SUBNORMAL_COLOR, linestyle="--",  # dashed on top
-              label="zero or subnormal in fp16 (|g| < 2^-14)")
+    axes.plot(
+        steps,
+        small,
+        marker="s",
+        color=_SUBNORMAL_COLOR,
+        linestyle="--",  # dashed on top
+        label="zero or subnormal in fp16 (|g| < 2^-14)",
+    )
     total = activation_counts(probes)
     assert total is not None  # the caller checked that some probe measured modules
     axes.set_title(
@@ -312,16 +318,31 @@ def _plot_parameters(axes: Axes, probes: Probes) -> None:
     shares = [parameter_zeros(p) for _, p in probes]
     at_one = [100 * one for _, one in shares]
     if all(p.scale == 1.0 for _, p in probes):
-        axes.plot(steps, at_one, marker="o", color=_SKIP_COLOR,
-                  label="zero in fp16 (no loss scaling: scale 1)")
+        axes.plot(
+            steps,
+            at_one,
+            marker="o",
+            color=_SKIP_COLOR,
+            label="zero in fp16 (no loss scaling: scale 1)",
+        )
     else:
-        axes.plot(steps, at_one, marker="o", color=_SKIP_COLOR, linestyle="--",
-                  label="zero in fp16 without loss scaling (scale 1)")
-        axes.plot(steps, [100 * at for at, _ in shares], marker="o", color=_SCALED_COLOR,
-                  label="zero in fp16 at the loss scale")
+        axes.plot(
+            steps,
+            at_one,
+            marker="o",
+            color=_SKIP_COLOR,
+            linestyle="--",
+            label="zero in fp16 without loss scaling (scale 1)",
+        )
+        axes.plot(
+            steps,
+            [100 * at for at, _ in shares],
+            marker="o",
+            color=_SCALED_COLOR,
+            label="zero in fp16 at the loss scale",
+        )
     axes.set_title(
-        "Parameter gradients (what the optimizer gets): zero in fp16, flushed or zero in "
-        "fp32 too",
+        "Parameter gradients (what the optimizer gets): zero in fp16, flushed or zero in fp32 too",
         fontsize="medium",
     )
     axes.set_ylim(0, max(1.0, *at_one) * 1.15)
@@ -332,12 +353,21 @@ def _plot_parameters(axes: Axes, probes: Probes) -> None:
 
 def _plot_headroom(axes: Axes, probes: Probes) -> None:
     finite = [(step, p.headroom_log2) for step, p in probes if math.isfinite(p.headroom_log2)]
-    axes.plot([s for s, _ in finite], [h for _, h in finite], marker="o", color="#9467bd",
-              label="headroom")
+    axes.plot(
+        [s for s, _ in finite],
+        [h for _, h in finite],
+        marker="o",
+        color="#9467bd",
+        label="headroom",
+    )
     overflowed = [step for step, p in probes if not p.headroom_log2 > -math.inf]
     if overflowed:
         axes.scatter(
-            overflowed, [0.0] * len(overflowed), marker="x", color=_SKIP_COLOR, zorder=3,
+            overflowed,
+            [0.0] * len(overflowed),
+            marker="x",
+            color=_SKIP_COLOR,
+            zorder=3,
             label="overflowed (no headroom)",
         )
         axes.legend(loc="best", fontsize="small")
@@ -359,8 +389,11 @@ def plot_probe(probes: Probes, path: Path, label: str | None = None) -> Path | N
     with_parameters = [(step, p) for step, p in probes if p.elements]
     panels = [
         *([(_plot_activations, probes)] if activation_counts(probes) is not None else []),
-        *([(_plot_parameters, with_parameters), (_plot_headroom, with_parameters)]
-          if with_parameters else []),
+        *(
+            [(_plot_parameters, with_parameters), (_plot_headroom, with_parameters)]
+            if with_parameters
+            else []
+        ),
     ]
     if not panels:
         return None
@@ -409,10 +442,14 @@ def plot_modules(probes: Probes, path: Path, label: str | None = None) -> Path |
     for place, (text, index, color) in enumerate(series):
         values = [100 * shares[name][index] for name in names]
         offset = 0.4 - height / 2 - place * height
-        bars = axes.barh([row + offset for row in range(len(names))], values, height=height,
-                         color=color, label=text)
-        axes.bar_label(bars, labels=[percent(v / 100) for v in values], padding=3,
-                       fontsize="small")
+        bars = axes.barh(
+            [row + offset for row in range(len(names))],
+            values,
+            height=height,
+            color=color,
+            label=text,
+        )
+        axes.bar_label(bars, labels=[percent(v / 100) for v in values], padding=3, fontsize="small")
     axes.set_yticks(range(len(names)), names)
     largest = max(100 * shares[name][1] for name in names)
     full = largest >= 10.0
@@ -467,8 +504,9 @@ def render_report(
         suffix = _file_suffix(runs, label)
         if has_scaler(run):
             paths.append(
-                plot_skips(run, out / f"skips{suffix}.png", window or default_window(len(run)),
-                           label)
+                plot_skips(
+                    run, out / f"skips{suffix}.png", window or default_window(len(run)), label
+                )
             )
         probes = _probes(run)
         if probes:

@@ -22,11 +22,7 @@ performance routes (``flat_grads``, ``one_pass_fused``).
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -62,6 +58,7 @@ from .iteration import (
 from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, RecordCallback
 from .observe.sinks import Sink
 from .policy import Meter, Policy, policy_from_arguments
+from .precision import Bfloat16Watch
 from .state import LiveState, ScalerState, ScalerStats
 from .taps import WatchedModels
 
@@ -75,11 +72,6 @@ GuardT = TypeVar("GuardT", bound=Guard)
 SinkT = TypeVar("SinkT", bound=Sink)
 AttachableT = TypeVar("AttachableT", bound=Attachable)
 
-BF16_MESSAGE = (
-    "ampscaler: {what} bfloat16, whose range is float32's: bfloat16 needs no loss scaling. "
-    "Turn the scaler off with GradScaler(enabled=False) (or drop it); it only costs time here."
-)
-
 
 def _reciprocal(live: LiveState) -> torch.Tensor:
     """``1/scale`` as torch's scaler forms it: in float64, rounded once to float32. On a device
@@ -88,46 +80,6 @@ def _reciprocal(live: LiveState) -> torch.Tensor:
     if live.float64:
         return live.scale.double().reciprocal().float()
     return live.scale.reciprocal()
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame
-    outside ampscaler (the user's call)."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
-#: How many nodes of the first loss's backward graph are looked at for bfloat16 tensors: autocast
-#: casts to it near the loss, so a few suffice; the bound keeps one look at a large model short.
-_GRAPH_NODES = 256
-
-
-def _bfloat16_in_graph(loss: torch.Tensor) -> bool:
-    """Whether the backward graph of ``loss`` saved a bfloat16 tensor within its first
-    :data:`_GRAPH_NODES` nodes (a loss computed under bfloat16 autocast). No host sync; about a
-    millisecond, once."""
-    seen: set[object] = set()
-    queue = deque([loss.grad_fn])
-    while queue and len(seen) < _GRAPH_NODES:
-        node = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                try:
-                    saved = getattr(node, name)
-                except RuntimeError:  # freed already (a graph backpropagated through)
-                    continue
-                if isinstance(saved, torch.Tensor) and saved.dtype == torch.bfloat16:
-                    return True
-        queue.extend(function for function, _ in node.next_functions)
-    return False
 
 
 def _scale_nested(
@@ -295,8 +247,7 @@ class GradScaler(TorchPrivateNames):
             weakref.WeakKeyDictionary()
         )
         # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
-        self._looks_for_bf16 = True
-        self._bf16_loss: bool | None = None  # whether the first loss came from bfloat16
+        self._bf16 = Bfloat16Watch()
         if self._enabled and self._device == "cpu":
             # Nothing to wait for on the CPU: made now, a compiled step sees one type of state
             # from its first call (no recompile when it would otherwise be made).
@@ -335,8 +286,8 @@ class GradScaler(TorchPrivateNames):
         if not self._enabled:
             return outputs
         # The losses are kept (not read) for the skip's cause and the guards.
-        if not torch.compiler.is_compiling() and self._looks_for_bf16:
-            self._look_for_bf16(outputs)
+        if not torch.compiler.is_compiling() and self._bf16.active:
+            self._bf16.look_at_loss(outputs, self._device)
         if isinstance(outputs, torch.Tensor):
             self._keep_loss(outputs)
             return outputs * self._scale_on(outputs.device)
@@ -350,27 +301,6 @@ class GradScaler(TorchPrivateNames):
         # guarded on (a recompile every iteration).
         if self._meter is not None and not torch.compiler.is_compiling():
             self._meter.start()
-
-    def _look_for_bf16(self, outputs: object) -> None:
-        """Warn once (first iteration only) when the loss comes from bfloat16: ``scale()`` runs
-        inside a bfloat16 autocast region, or the first loss's graph holds bfloat16 tensors
-        (the usual loop computes the loss under autocast and scales it outside)."""
-        tensor = outputs if isinstance(outputs, torch.Tensor) else None
-        device_type = tensor.device.type if tensor is not None else self._device or "cuda"
-        if (
-            device_type in ("cpu", "cuda", "xpu")
-            and torch.is_autocast_enabled(device_type)
-            and torch.get_autocast_dtype(device_type) == torch.bfloat16
-        ):
-            self._warn_bf16("scale() was called inside an autocast region of")
-        elif tensor is not None and self._bf16_loss is None:
-            # The first loss tells (one walk, not one per call); the warning waits for the
-            # check, where gradients all in bfloat16 say more (bfloat16 weights).
-            self._bf16_loss = _bfloat16_in_graph(tensor)
-
-    def _warn_bf16(self, what: str) -> None:
-        self._looks_for_bf16 = False  # once is enough
-        warnings.warn(BF16_MESSAGE.format(what=what), UserWarning, stacklevel=_user_stacklevel())
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         if self._device is None:
@@ -455,12 +385,8 @@ class GradScaler(TorchPrivateNames):
         else:
             groups = collect(optimizer, allow_fp16=allow_fp16, local=local)
         # Under torch.compile the flags are not read: a guard on them would recompile.
-        if not torch.compiler.is_compiling() and self._looks_for_bf16:
-            dtypes = {dtype for per_dtype in groups.values() for dtype in per_dtype}
-            if dtypes == {torch.bfloat16}:
-                self._warn_bf16("every gradient of this optimizer is")
-            elif self._bf16_loss:
-                self._warn_bf16("the loss was computed in")
+        if not torch.compiler.is_compiling() and self._bf16.active:
+            self._bf16.look_at_gradients({dtype for per in groups.values() for dtype in per})
         return groups
 
     def _check(
@@ -733,7 +659,7 @@ class GradScaler(TorchPrivateNames):
         iteration.new_scale = live.scale
         iteration.attempt = self._attempt
         self._finished, self._iteration = iteration, Iteration()
-        self._looks_for_bf16 = False
+        self._bf16.stop()
         self._monitor.after_update(iteration, live.counters)
 
     def _check_persistent_overflow(self, live: LiveState, limit: int) -> None:

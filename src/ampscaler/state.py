@@ -197,9 +197,7 @@ class StepCounters:
             self._count(found, spiked, torch.stack(self._old))
             self._found, self._spiked, self._old = [], [], []
 
-    def _count(
-        self, found: torch.Tensor, spiked: torch.Tensor | None, old: torch.Tensor
-    ) -> None:
+    def _count(self, found: torch.Tensor, spiked: torch.Tensor | None, old: torch.Tensor) -> None:
         """Add iterations with inf flags ``found`` and guard flags ``spiked`` (``None``: no
         guard flagged any) that started at scales ``old`` (1-dim, in order; the last one ended
         at the live scale), in place. NaN flags are not counted."""

@@ -64,4 +64,3 @@ def combined_flag(
             flag = flag.to(device, non_blocking=True)
             combined = flag if combined is None else combined + flag
     return combined
-

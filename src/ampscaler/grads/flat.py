@@ -151,10 +151,7 @@ def _unshared(grads: list[torch.Tensor]) -> list[bool]:
 def _movable(grad: torch.Tensor) -> bool:
     """Whether ``grad`` can move into a flat buffer, keeping its identity, shape and strides."""
     return (
-        grad._base is None
-        and not grad.requires_grad
-        and grad.is_contiguous()
-        and grad.numel() > 0
+        grad._base is None and not grad.requires_grad and grad.is_contiguous() and grad.numel() > 0
     )
 
 

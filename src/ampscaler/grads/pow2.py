@@ -142,4 +142,3 @@ class Pow2Watch:
         self._known = self._bound()
         self._known_at = self._updates
         self._pending = None
-

@@ -128,9 +128,7 @@ def _policy(value: object) -> Policy:
         value = _imported(value, "policy")
         if callable(value):  # a class or a function that returns a policy (policies are not)
             value = value()
-    return require_policy(
-        value, "or the import path of one or of a function returning one"
-    )
+    return require_policy(value, "or the import path of one or of a function returning one")
 
 
 def _device(value: object) -> str:
@@ -179,8 +177,7 @@ def checked(settings: PatchSettings) -> PatchSettings:
 def _sequence(value: object, setting: str) -> Sequence[object]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(
-            f"{setting} takes a list of factories, got {value!r}; for one, write "
-            f"{setting}=[...]."
+            f"{setting} takes a list of factories, got {value!r}; for one, write {setting}=[...]."
         )
     return value
 

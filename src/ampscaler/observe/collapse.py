@@ -172,9 +172,7 @@ class CollapseWatch:
         """Count one update; whether :meth:`look` has work now (a window ended, or a copy is
         on its way). Cheap: called at every update."""
         self._updates += 1
-        return self._pending is not None or (
-            self._updates % self.window == 0 and self.active
-        )
+        return self._pending is not None or (self._updates % self.window == 0 and self.active)
 
     def look(
         self,
@@ -250,11 +248,7 @@ class CollapseWatch:
 
 
 def _number(value: object) -> bool:
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-    )
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def snapshot_of(counters: StepCounters, scale: torch.Tensor) -> torch.Tensor:

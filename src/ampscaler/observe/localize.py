@@ -386,7 +386,8 @@ class NonFiniteTracer:
         target = next(iter(devices))
         finite = torch.stack([flag.to(target) for _, _, flag in events]).tolist()
         received_bad = {
-            name for (name, where, _), ok in zip(events, finite, strict=True)
+            name
+            for (name, where, _), ok in zip(events, finite, strict=True)
             if where == "output" and not ok
         }
         for (name, where, _), ok in zip(events, finite, strict=True):

@@ -401,5 +401,3 @@ class Monitor:
             self.add_sink(history)
         for observer in state["observers"]:
             self.attach(observer)
-
-

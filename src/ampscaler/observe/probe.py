@@ -255,7 +255,8 @@ class ProbeResult:
                 str(k): UnderflowCounts.from_dict(v)
                 for k, v in data.get("module_counts", {}).items()
             },
-            activations=None if data.get("activations") is None
+            activations=None
+            if data.get("activations") is None
             else UnderflowCounts.from_dict(data["activations"]),
             activation_dtypes=tuple(str(d) for d in data.get("activation_dtypes", ())),
         )
@@ -342,9 +343,7 @@ def _check_count(name: str, value: object, *, optional: bool) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         none = " or None" if optional else ""
-        raise InvalidConfigError(
-            f"GradientProbe {name} must be an int >= 1{none}, got {value!r}."
-        )
+        raise InvalidConfigError(f"GradientProbe {name} must be an int >= 1{none}, got {value!r}.")
 
 
 class GradientProbe:

@@ -98,8 +98,10 @@ class StepRecord:
 
     def __str__(self) -> str:
         move = (
-            f", grew to {self.new_scale:g}" if self.grew
-            else f", backed off to {self.new_scale:g}" if self.backed_off
+            f", grew to {self.new_scale:g}"
+            if self.grew
+            else f", backed off to {self.new_scale:g}"
+            if self.backed_off
             else ""
         )
         replay = f" (attempt {self.attempt + 1} at its batch)" if self.attempt else ""
@@ -248,16 +250,14 @@ def _parse(path: Path, number: int, data: object) -> StepRecord:
     found = data.get("format") if isinstance(data, dict) else None
     if not isinstance(data, dict) or not isinstance(found, str):
         raise LogFormatError(
-            f"{where} is not an ampscaler step record (it has no \"format\": \"{FORMAT}\" "
+            f'{where} is not an ampscaler step record (it has no "format": "{FORMAT}" '
             "field); pass a JSONL log written by ampscaler.JsonlSink."
         )
     if found != FORMAT:
-        newer = " (written by another version of ampscaler)" if found.startswith(
-            _FORMAT_FAMILY
-        ) else ""
-        raise LogFormatError(
-            f"{where} has format {found!r}{newer}; this version reads {FORMAT!r}."
+        newer = (
+            " (written by another version of ampscaler)" if found.startswith(_FORMAT_FAMILY) else ""
         )
+        raise LogFormatError(f"{where} has format {found!r}{newer}; this version reads {FORMAT!r}.")
     try:
         return StepRecord.from_dict(data)
     except (KeyError, TypeError, ValueError, AttributeError) as error:

@@ -284,8 +284,9 @@ class LoggingSink:
         all_ranks: bool = False,
         warn_rate: float = 0.05,
     ) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
-                                  or every < 1):
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
             raise InvalidConfigError(
                 f"every must be an int >= 1 (steps per summary line) or None, got {every!r}."
             )

@@ -179,8 +179,7 @@ def check_scale(
             within = ""
         else:
             within = (
-                f" and within [min_scale, max_scale] = [{min_scale or 0}, "
-                f"{max_scale or math.inf}]"
+                f" and within [min_scale, max_scale] = [{min_scale or 0}, {max_scale or math.inf}]"
             )
         raise InvalidConfigError(
             f"{name} must be a number > 0 that is finite as a float32 and at least 2**-126 "

@@ -448,8 +448,6 @@ def _headroom_state(state: PolicyState, method: str) -> HeadroomState:
     return state
 
 
-
-
 def _finite_at_least_zero(value: object) -> bool:
     """Whether ``value`` is a real number, finite and >= 0."""
     return (

@@ -219,4 +219,3 @@ class HeadroomMeter:
 
     def __repr__(self) -> str:
         return f"HeadroomMeter({self._policy}, iteration={self._iteration})"
-
