@@ -219,6 +219,18 @@ CASES: tuple[Misuse, ...] = (
         _S, _SAVED + 'scaler.load_state_dict({**saved, "_hysteresis_tracker": 5})', _SD,
         ("_hysteresis_tracker", "hysteresis"), "model", in_torch=False,
     ),
+    Misuse(
+        _S, _SAVED + 'scaler.load_state_dict({**saved, "_growth_tracker": 2**31})', _SD,
+        ("_growth_tracker", "2**31 - 1"), "model",
+    ),
+    Misuse(
+        _S, _SAVED + 'scaler.load_state_dict({**saved, "stats": {"steps": 2**64}})', _SD,
+        ("stats['steps']", "2**63 - 1"), "model", in_torch=False,
+    ),
+    Misuse(
+        _S, _SAVED + 'scaler.load_state_dict({**saved, "hysteresis": 2**31})', _SD,
+        ("hysteresis", "2**31 - 1"), "model", in_torch=False,
+    ),
     Misuse(_S, "scaler.step(opt); copy.deepcopy(scaler)", _USE, ("pickled",), "backward"),
     Misuse(
         _K, 'GradScaler("cpu", policy=StaticPolicy()).set_growth_factor(4.0)', _USE,

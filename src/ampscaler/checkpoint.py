@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from .arguments import check_skip_limit
 from .errors import InvalidConfigError, InvalidStateDictError
 from .policy import Policy, policy_from_state_dict
@@ -102,7 +104,27 @@ def _validated(saved: Mapping[str, Any], current: Policy, current_limit: int | N
         "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
     )
     stats = _stats(saved.get("stats", {}))
-    return Loaded(policy, limit, HostState(scale, tracker, own, stats))
+    host = HostState(scale, tracker, own, stats)
+    _trial_state(policy, host)
+    return Loaded(policy, limit, host)
+
+
+def _trial_state(policy: Policy, host: HostState) -> None:
+    """Make ``policy``'s state tensors from ``host`` on the CPU, as loading will make them on
+    the device, so that a value they cannot hold (an own value beyond its tensor's dtype, say,
+    from a policy whose ``own_values`` checks less than its ``initial_state`` needs) is refused
+    before anything changes.
+
+    Raises:
+        InvalidConfigError: naming the policy and torch's complaint.
+    """
+    try:
+        policy.initial_state(host.scale, torch.device("cpu"), host.values())
+    except (RuntimeError, ValueError, TypeError, OverflowError) as error:
+        raise InvalidConfigError(
+            f"the saved state does not fit {policy.kind}'s state tensors ({error}); "
+            f"saved values: {dict(host.values())!r:.200}."
+        ) from error
 
 
 def from_state_dict(saved: object, current: Policy, current_limit: int | None) -> Loaded:

@@ -480,14 +480,16 @@ class ScalerState:
         """Overwrite every value with ``host``'s (a loaded checkpoint for ``policy``), keeping
         the tensors (see :meth:`LiveState.replace_tensors`)."""
         self._apply_pending()
+        tensors = None
+        if self._live is not None:  # made first: if the policy refuses the values, nothing changed
+            tensors = policy.initial_state(host.scale, self._live.device, host.values())
         self._policy = self._pending_policy = policy
-        if self._live is None:
+        if self._live is None or tensors is None:
             self._host = host
             return
         if not self._used:
             self._host = HostState(host.scale)
-        device = self._live.device
-        self._live.replace_tensors(policy.initial_state(host.scale, device, host.values()))
+        self._live.replace_tensors(tensors)
         self._live.counters.reset(host.stats)
         if self._watch is not None:
             self._watch.set_policy(policy.power_of_two)

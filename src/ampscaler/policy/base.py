@@ -127,9 +127,9 @@ def require_int(
 def _shown(number: int) -> str:
     """``number`` as a person reads a bound: ``2**31 - 1`` rather than ``2147483647``."""
     for offset, suffix in ((0, ""), (1, " - 1")):
-        exponent = pow2_exponent(float(number + offset))
-        if exponent is not None and exponent > 16:
-            return f"2**{exponent}{suffix}"
+        power = number + offset  # exactly a power of two (as an int: no rounding to float)
+        if power > 2**16 and power & (power - 1) == 0:
+            return f"2**{power.bit_length() - 1}{suffix}"
     return str(number)
 
 
