@@ -89,6 +89,7 @@ CASES: tuple[Misuse, ...] = (
     Misuse(_C, 'GradScaler("cpu", init_scale=float("inf"))', _CFG, ("init_scale", "finite")),
     Misuse(_C, 'GradScaler("cpu", init_scale=1e39)', _CFG, ("init_scale", "float32")),
     Misuse(_C, 'GradScaler("cpu", init_scale="65536")', _CFG, ("init_scale", "number")),
+    Misuse(_C, 'GradScaler("cpu", init_scale=1e-40)', _CFG, ("init_scale", "2**-126")),
     Misuse(_C, "GradScaler(0)", _CFG, ("device", "'cpu'")),
     Misuse(_C, "GradScaler(opt)", _CFG, ("device", "SGD", "scaler.step(optimizer)"), "model"),
     Misuse(_C, 'GradScaler("gpu")', _CFG, ("device", "'cpu'")),
@@ -198,6 +199,14 @@ CASES: tuple[Misuse, ...] = (
     Misuse(
         _S, _SAVED + 'scaler.load_state_dict({**saved, "scale": -1.0})', _SD, ("scale", "> 0"),
         "model",
+    ),
+    Misuse(
+        _S, _SAVED + 'scaler.load_state_dict({**saved, "scale": 0.0})', _SD,
+        ("scale", "2**-126", "collapsed run", "state_dict['scale']"), "model",
+    ),
+    Misuse(
+        _S, _SAVED + 'scaler.load_state_dict({**saved, "scale": 1e-40})', _SD,
+        ("scale", "2**-126"), "model",
     ),
     Misuse(
         _S, _SAVED + 'scaler.load_state_dict({**saved, "_growth_tracker": -1})', _SD,

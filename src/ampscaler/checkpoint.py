@@ -42,8 +42,8 @@ import torch
 
 from .arguments import check_skip_limit
 from .errors import InvalidConfigError, InvalidStateDictError
-from .policy import Policy, policy_from_state_dict
-from .policy.base import require_int
+from .policy import LOWEST_SCALE, Policy, float32_value, policy_from_state_dict
+from .policy.base import require_int, require_number
 from .policy.scale import INT32_MAX
 from .state import INT64_MAX, HostState, ScalerStats
 
@@ -99,7 +99,7 @@ def _stats(counts: object) -> ScalerStats:
 def _validated(saved: Mapping[str, Any], current: Policy, current_limit: int | None) -> Loaded:
     policy, own = policy_from_state_dict(saved, current)
     limit = check_skip_limit(saved.get("max_consecutive_skips", current_limit))
-    scale = policy.check_scale("scale", saved["scale"])
+    scale = _saved_scale(policy, saved["scale"])
     tracker = require_int(
         "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
     )
@@ -107,6 +107,28 @@ def _validated(saved: Mapping[str, Any], current: Policy, current_limit: int | N
     host = HostState(scale, tracker, own, stats)
     _trial_state(policy, host)
     return Loaded(policy, limit, host)
+
+
+def _saved_scale(policy: Policy, value: object) -> float:
+    """The saved scale, validated by ``policy``; a scale of 0 or below ``2**-126`` (what
+    torch's scaler saves after a collapse) is refused with what to do.
+
+    Raises:
+        InvalidConfigError: the scale is invalid.
+    """
+    number = float32_value(require_number("scale", value))
+    try:
+        return policy.check_scale("scale", value)
+    except InvalidConfigError as error:
+        if not 0.0 <= number < LOWEST_SCALE:
+            raise
+        raise InvalidConfigError(
+            f"{error} torch's scaler saves such a scale after some 150 backoffs in a row (a "
+            "collapsed run: its parameters are probably inf/NaN by now, since unscaling at "
+            "such a scale turns finite gradients into inf/NaN). Load a checkpoint from before "
+            "the collapse, or, to go on from this one, set its scale first "
+            "(state_dict['scale'] = 65536.0)."
+        ) from None
 
 
 def _trial_state(policy: Policy, host: HostState) -> None:

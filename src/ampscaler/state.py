@@ -40,7 +40,7 @@ import torch
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
 from .hostcopy import read_values
-from .policy import Policy, PolicyState, float32_value
+from .policy import LOWEST_SCALE, Policy, PolicyState, float32_value
 
 __all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
 
@@ -251,6 +251,14 @@ def _host_state(
     return HostState(scale, tracker, values, stats)
 
 
+def _keep_lowest_scale(policy: Policy, scale: torch.Tensor) -> None:
+    """Clamp ``scale`` in place at :data:`~ampscaler.policy.LOWEST_SCALE` after an update by a
+    policy that does not keep it there by itself (a policy of one's own; see
+    :attr:`Policy.keeps_lowest_scale <ampscaler.Policy.keeps_lowest_scale>`). No host sync."""
+    if not policy.keeps_lowest_scale:
+        scale.clamp_(min=LOWEST_SCALE)
+
+
 def _supports_float64(device: torch.device) -> bool:
     """Whether ``device`` computes in float64 (MPS and Intel Arc do not: torch raises)."""
     try:
@@ -445,6 +453,7 @@ class ScalerState:
         live = self._settled_live()
         old = live.scale.clone()
         self._policy.update_(live.tensors, found_inf, measured)
+        _keep_lowest_scale(self._policy, live.scale)
         live.counters.record(found_inf, old, spiked)
         self._updated(live.scale)
         return old
@@ -572,6 +581,7 @@ class ScalerState:
         for tensor, value in zip(live.tensors, moved, strict=True):
             if value is not tensor:
                 tensor.copy_(torch.where(pending, value, tensor))
+        _keep_lowest_scale(policy, live.scale)
         live.counters.count_now(found, old)  # kept iterations would change a compiled guard
         self._pending = (self._nothing(live.device),)
         self._deferred = False

@@ -288,6 +288,13 @@ class Policy(abc.ABC):
     #: gives the meter that measures it).
     measuring: ClassVar[bool] = False
 
+    #: Whether :meth:`update_` and :meth:`adjust` keep the scale at or above
+    #: :data:`LOWEST_SCALE` by themselves. When ``False`` (the default, for a policy of one's
+    #: own) the scaler clamps the scale there after every update: below it ``1/scale`` is
+    #: inexact, and from ``2**-128`` on infinite, so unscaling would write inf/NaN into finite
+    #: gradients and the scaler's own ``state_dict()`` would not load again.
+    keeps_lowest_scale: ClassVar[bool] = False
+
     # ------------------------------------------------------------------ the state
 
     def initial_state(

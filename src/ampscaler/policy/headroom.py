@@ -182,6 +182,7 @@ class HeadroomPolicy(Policy):
     max_scale: float | None = None
 
     measuring = True
+    keeps_lowest_scale = True  # never below 2**exponents[0] >= 2**-126
 
     def __post_init__(self) -> None:
         margin = require_number("margin", self.margin)

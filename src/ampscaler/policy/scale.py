@@ -134,6 +134,8 @@ class ScalePolicy(Policy):
     min_scale: float | None = None
     max_scale: float | None = None
 
+    keeps_lowest_scale = True  # the backoff is clamped at 2**-126
+
     def __post_init__(self) -> None:
         growth = require_number("growth_factor", self.growth_factor)
         if not (growth > 1.0 and math.isfinite(growth)):
@@ -361,6 +363,8 @@ class StaticPolicy(Policy):
         >>> scaler.policy
         StaticPolicy()
     """
+
+    keeps_lowest_scale = True  # the scale never moves
 
     def update_(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
