@@ -9,6 +9,7 @@ parameters without a skip, and its state dict (scale 0.0) is one ampscaler refus
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -54,6 +55,46 @@ def _collapse(scaler: Any, fused: bool = False, save_every: int = 0) -> dict[str
     }
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
+def test_a_collapse_stops_at_the_floor_and_warns_before_a_step_runs_there(fused: bool) -> None:
+    with pytest.warns(ampscaler.ScaleFloorWarning) as caught:
+        ours = _collapse(ampscaler.GradScaler("cpu"), fused)
+    floor = [w for w in caught if issubclass(w.category, ampscaler.ScaleFloorWarning)]
+    assert len(floor) == 1  # once per stay at the floor
+    message = str(floor[0].message)
+    assert "2**-126" in message and "142 step(s) in a row" in message
+    assert "the loss itself was already inf/NaN" in message  # the latest, at least
+    assert "lowering the scale cannot help" in message
+    assert floor[0].filename == __file__  # points at the training loop
+    (alert,) = [a for a in ours["alerts_before_finite"] if a.reasons == ("floor",)]
+    assert alert.last_step == 141 and alert.in_a_row == 142  # the update that reached it
+    assert ours["scale"] == LOWEST_SCALE
+    assert all(torch.isfinite(p).all() for p in ours["params"])
+    theirs = _collapse(torch.amp.GradScaler("cpu"), fused)  # what the floor prevents
+    assert theirs["scale"] == 0.0
+    assert not all(torch.isfinite(p).all() for p in theirs["params"])
+
+
+def test_a_non_fused_step_skipped_at_the_floor_warns_even_without_a_collapse_seen() -> None:
+    """Reaching the floor within one window of the collapse watch: the plain step that skips
+    there says so (its verdict and scale are read anyway)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**-120)
+    with pytest.warns(ampscaler.ScaleFloorWarning, match=r"the last 7 step\(s\) in a row"):
+        for _ in range(8):
+            scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ampscaler.ScaleFloorWarning)  # to stop a run there
+        scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+        scaler.step(opt)  # still at the floor: said once already, not again
+        scaler.update()
+
+
 POLICIES = {
     "torch's rule": lambda: ampscaler.GradScaler("cpu"),
     "hysteresis": lambda: ampscaler.GradScaler("cpu", hysteresis=3),
@@ -67,7 +108,9 @@ def test_every_state_dict_of_a_collapsing_run_loads_again(policy: str) -> None:
     """Saved every 10 iterations through 170 NaN batches and after: each loads into a fresh
     scaler, and the run's parameters stay finite (a policy of one's own that never stops
     backing off is held at 2**-126 by the scaler)."""
-    run = _collapse(POLICIES[policy](), save_every=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ampscaler.ScaleFloorWarning)
+        run = _collapse(POLICIES[policy](), save_every=10)
     assert run["scale"] >= LOWEST_SCALE
     assert all(torch.isfinite(p).all() for p in run["params"])
     for saved in run["saved"]:

@@ -17,6 +17,7 @@ __all__ = [
     "InvalidStateDictError",
     "LogFormatError",
     "PersistentOverflowError",
+    "ScaleFloorWarning",
     "ScalerUsageError",
     "SinkError",
 ]
@@ -108,6 +109,17 @@ _ADVICE = {
         "bfloat16, whose range needs no scaling."
     ),
 }
+
+
+class ScaleFloorWarning(RuntimeWarning):
+    """The scale reached its floor, ``2**-126``, where backing off cannot go further.
+
+    Issued once per stay at the floor (see :class:`~ampscaler.CollapseWatch`), before any step
+    runs there on the non-fused path. The message says how many steps in a row were skipped
+    and in how many of them the loss itself was already inf/NaN (then lowering the scale never
+    could help). To stop a run there instead of training on at a scale where float16 gradients
+    underflow: ``warnings.simplefilter("error", ampscaler.ScaleFloorWarning)``.
+    """
 
 
 class SinkError(OSError):
