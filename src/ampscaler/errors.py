@@ -7,6 +7,9 @@ message says what went wrong and what to do about it.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +23,7 @@ __all__ = [
     "ScaleFloorWarning",
     "ScalerUsageError",
     "SinkError",
+    "warn_at_caller",
 ]
 
 
@@ -131,3 +135,17 @@ class SinkError(OSError):
 
 class LogFormatError(ValueError):
     """A step log that ampscaler cannot read: empty, or not written by ampscaler."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """Warn, pointing at the innermost caller outside ampscaler (the training loop's line),
+    whichever of the scaler's calls found it."""
+    frame = sys._getframe(1)  # the caller: warnings.warn's stacklevel 2
+    level = 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

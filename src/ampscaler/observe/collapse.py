@@ -47,10 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import struct
-import sys
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InvalidConfigError, ScaleFloorWarning
+from ..errors import InvalidConfigError, ScaleFloorWarning, warn_at_caller
 from ..hostcopy import HostCopy
 from ..policy.base import LOWEST_SCALE
 from .localize import OverflowReport
@@ -341,7 +338,7 @@ class CollapseWatch:
             in_a_row=in_a_row,
             loss_in_a_row=loss_in_a_row,
         )
-        warnings.warn(str(alert), ScaleFloorWarning, stacklevel=_outside_ampscaler())
+        warn_at_caller(str(alert), ScaleFloorWarning)
         for fn in list(callbacks):
             fn(alert)
 
@@ -417,16 +414,3 @@ def snapshot_of(counters: StepCounters, scale: torch.Tensor) -> torch.Tensor:
     bits = scale.reshape(1).view(torch.int32).to(torch.int64)
     return torch.cat([values[:2], values[4:5], bits])
 
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _outside_ampscaler() -> int:
-    """The ``stacklevel`` of the innermost caller outside ampscaler (a warning points there,
-    whichever of the scaler's calls raised it)."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame = frame.f_back
-        level += 1
-    return level
