@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,10 @@ def world_of_one() -> Iterator[dist.ProcessGroup]:
     try:
         yield dist.group.WORLD
     finally:
+        # Scalers caught in reference cycles (an exception's traceback holds the frame that
+        # holds the scaler) hold the group: freed before it is destroyed, or its threads
+        # outlive the test and a later forked multirank launch can hang on them.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -12,12 +12,14 @@ errors raised now. After changing a message or a row, regenerate the page::
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import ampscaler
 
@@ -35,6 +37,10 @@ PRELUDES = {
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         'scaler = GradScaler("cpu")\n'
         "scaler.scale(model(torch.ones(1, 2)).sum()).backward()\n"
+    ),
+    "group": (
+        'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
+        'scaler = GradScaler("cpu", process_group=dist.group.WORLD)\n'
     ),
 }
 
@@ -62,7 +68,7 @@ class Misuse:
     deviation: str = ""
 
 
-_C, _O, _N, _S, _K, _H, _R = (
+_C, _O, _N, _S, _K, _H, _R, _G = (
     "Constructor arguments",
     "Call order",
     "update(new_scale)",
@@ -70,6 +76,7 @@ _C, _O, _N, _S, _K, _H, _R = (
     "Other calls",
     "Guards, watches and summaries",
     "HeadroomPolicy",
+    "Process groups",
 )
 _CFG = ampscaler.InvalidConfigError
 _USE = ampscaler.ScalerUsageError
@@ -288,24 +295,41 @@ CASES: tuple[Misuse, ...] = (
         'scaler.load_state_dict({**saved, "headroom": {**saved["headroom"], "history": [1.0]}})',
         _SD, ("headroom['history']", "history_length"), "model", in_torch=False,
     ),
+    Misuse(
+        _G,
+        "frozen = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1); "
+        "scaler.scale(torch.ones(())); scaler.step(frozen)",
+        _USE, ("No inf checks", "on any rank of process_group"), "group", in_torch=False,
+    ),
+    Misuse(
+        _G,
+        "frozen = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], fused=True); "
+        "scaler.scale(torch.ones(())); scaler.step(frozen); scaler.update()",
+        _USE, ("No inf checks", "update()"), "group", in_torch=False,
+    ),
 )
 
 
 def run(case: Misuse, factory: type) -> BaseException | None:
     """Run ``case`` against a scaler class; the exception it raised, or ``None``."""
     namespace = {
-        "torch": torch, "copy": copy, "GradScaler": factory,
+        "torch": torch, "copy": copy, "dist": dist, "GradScaler": factory,
         "ScalePolicy": ampscaler.ScalePolicy, "StaticPolicy": ampscaler.StaticPolicy,
         "SpikeGuard": ampscaler.SpikeGuard, "CollapseWatch": ampscaler.CollapseWatch,
         "LoggingSink": ampscaler.LoggingSink, "HeadroomPolicy": ampscaler.HeadroomPolicy,
     }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(PRELUDES[case.prelude], namespace)
         try:
+            exec(PRELUDES[case.prelude], namespace)
             exec(case.code, namespace)
         except Exception as error:
             return error
+        finally:
+            if dist.is_initialized():  # the "group" prelude's world of one
+                namespace.clear()
+                gc.collect()  # the scaler holds the group: freed before it is destroyed
+                dist.destroy_process_group()
     return None
 
 

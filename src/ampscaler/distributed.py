@@ -13,16 +13,28 @@ tensor-parallel group and then over its data-parallel group, every rank of the g
 max over the whole grid, with one collective per group and no group that spans the union.
 Groups contained in another given group add nothing and are dropped, as are repeats.
 
-The collectives, in the order every rank issues them:
+The collectives, in the order every rank issues them. Which ones a rank makes never depends on
+its own state, only on what every rank reads from the same reduction, so a fault on one rank
+becomes the same error on every rank instead of a hang until the group's timeout:
 
-* at the first step, and at the first step after ``load_state_dict``: one gather of the
-  scaler's settings and state per group, so that ranks configured or restored differently
-  stop with an error naming the ranks and the differences instead of diverging;
-* per optimizer per iteration: one ``all_reduce(MAX)`` of a 0-dim float flag per group (the
-  last one asynchronous), started as soon as the gradients are checked and waited on only where
-  the step decision needs it;
+* per optimizer per iteration: one ``all_reduce(MAX)`` per group (the last one asynchronous)
+  of a small float tensor, the *verdict*: the optimizer's inf flag, whether this rank held any
+  of its gradients, and a fingerprint ``f`` as ``(f, -f)``, so that the maximum shows whether
+  every rank had the same. The fingerprint hashes the scaler's settings (as of the first step
+  and of each load), its live state tensors (scale, growth tracker and the policy's own, as
+  they are at this step) and how often ``load_state_dict()`` was called. Started as soon as
+  the gradients are checked, waited on only where the step decision needs it;
+* when the fingerprints differed (a rank loaded another checkpoint, or loaded when the others
+  did not, or was configured or moved differently): one gather of the settings per group, to
+  name the differences in the :class:`~ampscaler.InvalidConfigError` every rank then raises.
+  The step is skipped on every rank: non-fused optimizers raise in that ``step()`` (which reads
+  its verdict anyway); fused ones, whose kernel gets the verdict without a read, raise at the
+  next check of an optimizer (waiting for a copy of the verdict that has long landed);
 * per skipped optimizer step only: one gather of the local flags per group, to name the ranks
   whose gradients overflowed.
+
+An optimizer that holds gradients on no rank of the groups is refused as torch refuses it
+without a group, on every rank: a non-fused one in ``step()``, a fused one in ``update()``.
 
 Every rank must therefore call the scaler's methods in the same order, as training loops do.
 
@@ -41,14 +53,15 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .errors import InvalidConfigError
-from .hostcopy import read_values
+from .errors import InvalidConfigError, ScalerUsageError
+from .hostcopy import HostCopy, read_values
 
 __all__ = ["GroupSpec", "RankAgreement", "SettingValue"]
 
@@ -56,7 +69,18 @@ GroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 """What ``process_group=`` takes: one group, or several whose union must agree."""
 
 SettingValue = float | int | bool | str | None | torch.Tensor
-"""A setting compared across ranks: a Python number or string, ``None``, or a 0-dim tensor."""
+"""A setting compared across ranks: a Python number or string, ``None``, or a tensor of the
+live state (compared value by value; named in messages by its sum when it has several)."""
+
+#: The name under which ranks compare how often they loaded a checkpoint.
+LOADS = "load_state_dict() calls"
+
+#: Fingerprints are taken modulo this prime (the largest below 2**24): float32 holds them exactly.
+_PRIME = 16777213
+
+#: The slots of a verdict: the inf flag, whether the rank held gradients, the fingerprint and
+#: its negation (the max of the negation is minus the smallest fingerprint).
+_FLAG, _HELD, _PRINT, _NEG_PRINT = range(4)
 
 def _require_group(group: object) -> dist.ProcessGroup:
     if not dist.is_available():
@@ -131,10 +155,12 @@ def _distinct_groups(spec: object) -> tuple[dist.ProcessGroup, ...]:
 class RankAgreement:
     """Makes the ranks of ``groups`` agree on each step's inf/NaN verdict.
 
-    ``launch`` starts a max-reduction of a rank's local flag and returns the tensor that will
-    hold the agreed flag; ``settle`` waits for every reduction launched so far (with NCCL the
-    wait is a stream dependency, not a host sync). ``check_settings`` (at the first step) and
-    ``ranks_with_overflow`` (on skipped steps) read from the device: host syncs.
+    ``agree`` starts the max-reduction of one optimizer's verdict (module docstring) and returns
+    the tensor that will hold the agreed flag; ``settle`` waits for every reduction launched so
+    far (with NCCL the wait is a stream dependency, not a host sync) and skips, on the device,
+    every step whose fingerprints differed. ``decide`` (non-fused steps), ``check_settings``
+    (after differing fingerprints) and ``ranks_with_overflow`` (on skipped steps) read from the
+    device: host syncs.
 
     Args:
         groups: one process group, or several (see the module docstring).
@@ -148,7 +174,16 @@ class RankAgreement:
     def __init__(self, groups: GroupSpec) -> None:
         self._groups = _distinct_groups(groups)
         self._pending: list[dist.Work] = []
-        self.checked = False
+        self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
+        self._settings: Callable[[], Mapping[str, SettingValue]] | None = None
+        self._verdicts: list[torch.Tensor] = []  # launched, not yet settled
+        # Whether a verdict settled since the last check had differing fingerprints (a bool on
+        # the device), and the same on its way to the host (for the check at the next agree()).
+        self._mismatch: torch.Tensor | None = None
+        self._landing: HostCopy | None = None
+        # The settings and state tensors the verdicts fingerprint: taken at the first verdict
+        # and after each load (the tensors are the live ones, read at every verdict).
+        self._compared: _Compared | None = None
 
     @property
     def groups(self) -> tuple[dist.ProcessGroup, ...]:
@@ -173,9 +208,9 @@ class RankAgreement:
         """Stop every rank, naming the differences and the ranks, if the ranks' ``settings``
         differ.
 
-        Every rank of the groups must call this at the same point (the scaler does it at the
-        first step, and again at the first step after a checkpoint is loaded). Tensor values
-        are read from their device; one host sync, and one gather per group.
+        Every rank of the groups must call this at the same point (the scaler does it on every
+        rank when the fingerprints in a verdict differed). Tensor values are read from their
+        device; one host sync, and one gather per group.
 
         Raises:
             InvalidConfigError: naming each differing setting and its value on every rank.
@@ -195,7 +230,6 @@ class RankAgreement:
                 "the same arguments on every rank, and load the same state_dict on every rank "
                 "or on none."
             )
-        self.checked = True
 
     @staticmethod
     def _describe(
@@ -224,24 +258,40 @@ class RankAgreement:
         found_inf: torch.Tensor | None,
         device: torch.device,
         settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start agreeing on one optimizer's inf flag from the check (``None``: this rank
-        held no gradients, and takes part with a zero flag).
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Start agreeing on one optimizer's inf flag from the check (``None``: this rank held
+        none of its gradients, and takes part with a clean flag).
 
-        Returns ``(local, agreed)``: this rank's flag on ``device``, and the tensor that holds
-        the groups' verdict once :meth:`settle` has returned. The first call (and the first
-        after :meth:`recheck`) compares the ranks' ``settings()`` (a host sync).
+        Returns ``(local, agreed)``: ``found_inf`` as given, and the tensor that holds the
+        groups' verdict once :meth:`settle` has returned. The verdict carries a fingerprint of
+        ``settings()`` (the configuration and the live state) and of the checkpoint loads, so
+        that ranks that differ are found in this reduction (module docstring). First, if an
+        earlier verdict found differing fingerprints that no ``decide()`` has read yet, waits
+        for its copy (long landed, normally) and raises on every rank.
+
+        Raises:
+            InvalidConfigError: an earlier verdict's fingerprints differed (every rank raises).
         """
-        if not self.checked:
-            self.check_settings(settings())
-        local = found_inf
-        if local is None:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-        return local, self.launch(local)
+        self._settings = settings
+        self._check_landed()
+        held = found_inf is not None
+        flag = found_inf if found_inf is not None else torch.zeros((), device=device)
+        if self._compared is None:  # the first time, and after a load
+            self._compared = _Compared(settings(), self._loads)
+        fingerprint = self._compared.fingerprint(device)
+        verdict = torch.stack(
+            [flag.to(torch.float32), flag.new_full((), float(held)), fingerprint, -fingerprint]
+        )
+        self._reduce_max(verdict)
+        self._verdicts.append(verdict)
+        return found_inf, verdict[_FLAG]
 
-    def recheck(self) -> None:
-        """Compare the settings and state again at the next step (after a checkpoint load)."""
-        self.checked = False
+    def note_load(self) -> None:
+        """A checkpoint was loaded on this rank: the ranks compare what they hold at the next
+        verdict (the count is part of the fingerprint, so a rank that loaded while the others
+        did not is found even when it loaded what they hold)."""
+        self._loads += 1
+        self._compared = None  # the settings, and maybe the state tensors, are new
 
     def launch(self, local_flag: torch.Tensor) -> torch.Tensor:
         """Start max-reducing ``local_flag`` (0-dim float) over the groups; return the result
@@ -252,13 +302,18 @@ class RankAgreement:
         waited for in order (with NCCL a stream dependency). No host sync with NCCL.
         """
         agreed = local_flag.clone()
+        self._reduce_max(agreed)
+        return agreed
+
+    def _reduce_max(self, tensor: torch.Tensor) -> None:
+        """Start max-reducing ``tensor`` in place over the groups (the last reduction is
+        waited for by :meth:`settle`)."""
         *first, last = self._groups
         for group in first:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=last, async_op=True)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=last, async_op=True)
         assert work is not None
         self._pending.append(work)
-        return agreed
 
     def sum_(self, values: torch.Tensor) -> int:
         """Sum ``values`` in place over the groups, one after the other (for groups forming a
@@ -270,41 +325,111 @@ class RankAgreement:
         return ranks
 
     def settle(self) -> None:
-        """Wait for every reduction launched so far.
+        """Wait for every reduction launched so far; a verdict whose fingerprints differed
+        skips its step (its flag set on the device) and is kept for the check.
 
         With gloo (CPU) this blocks the host until the reductions are done; with NCCL it only
-        makes the current stream wait for them.
+        makes the current stream wait for them. No host sync.
         """
+        if self._settle():  # what was found starts on its way to the next agree()'s check
+            assert self._mismatch is not None
+            self._landing = HostCopy(self._mismatch, 0)
+
+    def _settle(self) -> bool:
+        """:meth:`settle`, without copying what was found; whether any verdict settled."""
         for work in self._pending:
             work.wait()
         self._pending.clear()
+        if not self._verdicts:
+            return False
+        for verdict in self._verdicts:
+            differ = verdict[_PRINT] != -verdict[_NEG_PRINT]
+            verdict[_FLAG].copy_(torch.where(differ, 1.0, verdict[_FLAG]))
+            self._mismatch = differ if self._mismatch is None else self._mismatch | differ
+        self._verdicts.clear()
+        return True
 
     def decide(
-        self, local_flag: torch.Tensor | None, agreed: torch.Tensor
+        self,
+        local_flag: torch.Tensor | None,
+        agreed: torch.Tensor,
+        spike: torch.Tensor | None = None,
     ) -> tuple[bool, tuple[int, ...]]:
-        """Wait for the groups' verdict and read it (a host sync): whether every rank skips,
-        and then the ranks whose own ``local_flag`` was set (:meth:`ranks_with_overflow`, a
-        collective every rank makes, as all of them skip together)."""
-        self.settle()
-        if not bool(agreed.item()):
+        """Wait for the groups' verdict on a non-fused optimizer and read it (one host sync):
+        whether every rank skips (for an inf/NaN flag, or a guard's ``spike``), and then the
+        ranks whose own ``local_flag`` was set (:meth:`ranks_with_overflow`, a collective every
+        rank makes, as all of them skip together).
+
+        Raises:
+            InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
+                gather naming the differences).
+            ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
+                without a group; every rank raises).
+        """
+        self._settle()  # read below: no copy for the next check
+        skip = agreed if spike is None else torch.maximum(agreed, spike)
+        mismatch = [] if self._mismatch is None else [self._mismatch]
+        read = read_values([_verdict_of(agreed), skip, *mismatch])
+        self._mismatch = self._landing = None
+        if any(read[2:]):
+            self._stop()
+        if read[0][_HELD] <= 0:
+            raise ScalerUsageError(NO_GRADIENTS)
+        if not read[1]:
             return False, ()
-        assert local_flag is not None  # set with the agreed flag
         return True, self.ranks_with_overflow(local_flag)
 
-    def ranks_with_overflow(self, local_flag: torch.Tensor) -> tuple[int, ...]:
-        """The global ranks whose ``local_flag`` was set (a host sync, and one gather per
-        group).
+    def any_gradients(self, agreed: torch.Tensor) -> bool:
+        """Whether some rank of the groups held gradients of the optimizer whose verdict is
+        ``agreed`` (a host sync: ask only on a rank that held none of them itself, which does
+        not know without reading)."""
+        self.settle()
+        return float(_verdict_of(agreed)[_HELD].item()) > 0
+
+    def ranks_with_overflow(self, local_flag: torch.Tensor | None) -> tuple[int, ...]:
+        """The global ranks whose ``local_flag`` was set (``None``: this rank held no
+        gradients; a host sync, and one gather per group).
 
         Every rank of the groups must call this at the same point: the scaler does it on
         skipped steps only, which all ranks skip together.
         """
-        flags = self._gather(float(local_flag.detach().float().item()))
+        value = 0.0 if local_flag is None else float(local_flag.detach().float().item())
+        flags = self._gather(value)
         return tuple(rank for rank in sorted(flags) if flags[rank] > 0)
+
+    def _check_landed(self) -> None:
+        """Raise on every rank if a verdict settled since the last check had differing
+        fingerprints (waiting for its copy, which has normally landed long ago)."""
+        landing = self._landing
+        if landing is None:
+            return
+        self._mismatch = self._landing = None
+        if landing.wait():
+            self._stop()
+
+    def _stop(self) -> None:
+        """Every rank found differing fingerprints in the same verdict: compare the settings
+        (one gather per group) and raise, naming the differences.
+
+        Raises:
+            InvalidConfigError: always.
+        """
+        assert self._settings is not None
+        self.check_settings({**self._settings(), LOADS: self._loads})
+        raise InvalidConfigError(
+            "GradScaler settings or state differed across the ranks of process_group at the "
+            "last step (a rank loaded a state_dict, called update(new_scale) or a setter, or "
+            "wrote the scale, where the others did not), though they agree again now; every "
+            "rank skipped that step. Load the same state_dict on every rank or on none, and "
+            "make the same calls on every rank."
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RankAgreement:
         # Process groups cannot be copied: a copied scaler agrees over the same groups.
         twin = RankAgreement.__new__(RankAgreement)
-        twin.__dict__.update(self.__dict__, _pending=[])
+        twin.__dict__.update(
+            self.__dict__, _pending=[], _verdicts=[], _mismatch=None, _landing=None, _compared=None
+        )
         return twin
 
     def __getstate__(self) -> dict[str, Any]:
@@ -315,15 +440,65 @@ class RankAgreement:
         )
 
 
+NO_GRADIENTS = (
+    "No inf checks were recorded for this optimizer: none of its parameters has a gradient on "
+    "any rank of process_group. Call scaler.scale(loss).backward() on a loss that depends on "
+    "the optimizer's parameters before scaler.step(optimizer)."
+)
+
+
+def _verdict_of(agreed: torch.Tensor) -> torch.Tensor:
+    """The verdict an agreed flag from :meth:`RankAgreement.agree` is the first slot of (the
+    flag is a view of it)."""
+    verdict = agreed._base
+    assert verdict is not None and verdict.shape == (4,), "not a flag from agree()"
+    return verdict
+
+
+class _Compared:
+    """What the verdicts fingerprint: the settings (hashed once, with the count of loads) and
+    the live state tensors among them (hashed at every verdict, on their device)."""
+
+    def __init__(self, settings: Mapping[str, SettingValue], loads: int) -> None:
+        numbers = _plain_row({k: v for k, v in settings.items() if not isinstance(v, torch.Tensor)})
+        self._code = zlib.crc32(repr((sorted(numbers.items()), loads)).encode()) % _PRIME
+        self._tensors = [v for _, v in sorted(settings.items()) if isinstance(v, torch.Tensor)]
+        self._weights: dict[torch.device, torch.Tensor] = {}
+
+    def fingerprint(self, device: torch.device) -> torch.Tensor:
+        """A 0-dim float32 in ``[0, 2**24)`` on ``device`` (exact in float32, so a max and a
+        min compare it). A few small device operations, no host sync."""
+        if not self._tensors:
+            return torch.full((), float(self._code), dtype=torch.float32, device=device)
+        words = torch.cat([_bits(tensor.to(device)) for tensor in self._tensors])
+        weights = self._weights.get(device)
+        if weights is None:  # made once per device: no copy to the device per verdict
+            powers = [pow(1_000_003, i, _PRIME) for i in range(words.numel())]
+            weights = self._weights[device] = torch.tensor(powers, device=device)
+        mixed = (words.remainder(_PRIME) * weights).sum() + self._code
+        return mixed.remainder(_PRIME).to(torch.float32)
+
+
+def _bits(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as integers, flattened (floats' bits reinterpreted, not converted:
+    ``-0.0`` and ``0.0`` differ, NaN equals itself)."""
+    flat = value.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[flat.element_size()])
+    return flat
+
+
 def _plain_row(settings: Mapping[str, SettingValue]) -> dict[str, float | str | None]:
     """The settings as Python numbers (``None`` and strings stay as they are); the tensors
     among them are read in one host sync."""
     tensors = {name: v for name, v in settings.items() if isinstance(v, torch.Tensor)}
-    read = dict(zip(tensors, read_values(list(tensors.values())), strict=True))
+    flat = [tensor.reshape(-1) if tensor.dim() > 1 else tensor for tensor in tensors.values()]
+    read = dict(zip(tensors, read_values(flat), strict=True)) if tensors else {}
     row: dict[str, float | str | None] = {}
     for name, value in settings.items():
         if name in read:
-            row[name] = float(read[name])
+            number = read[name]
+            row[name] = float(sum(number) if isinstance(number, list) else number)
         elif value is None or isinstance(value, str):
             row[name] = value
         else:

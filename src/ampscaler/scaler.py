@@ -185,9 +185,9 @@ class GradScaler(TorchPrivateNames):
     Raises:
         InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument;
             ``policy=`` together with its shorthands; a ``process_group`` while
-            torch.distributed is not initialized, or one this rank is not a member of; at the
-            first step, ranks of ``process_group`` whose settings or scale differ; a
-            ``policy`` that is not a policy object.
+            torch.distributed is not initialized, or one this rank is not a member of; at a
+            step, ranks of ``process_group`` whose settings, scale or loaded checkpoints
+            differ (every rank raises); a ``policy`` that is not a policy object.
     """
 
     #: Whether :meth:`unscale_` accepts float16 gradients (torch's sharded scaler does; a
@@ -473,10 +473,10 @@ class GradScaler(TorchPrivateNames):
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
-        skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
-        if self._agreement is not None:  # the group's verdict, and who overflowed
-            skipped, ranks = self._agreement.decide(record.local_found_inf, skip)
+        if self._agreement is not None:  # the group's verdict (read once settled), who overflowed
+            skipped, ranks = self._agreement.decide(record.local_found_inf, found_inf, record.spike)
         else:
+            skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
             skipped = bool(skip.item())
         # Only a skipped step with a guard needs to know which flag it was: a second read.
         nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
@@ -498,8 +498,14 @@ class GradScaler(TorchPrivateNames):
             exact = self._fused.one_pass and self._state.exact_reciprocal
             multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
             self._check(groups, record, live, multiplier)
-        if self._agreement is not None:
-            self._agreement.settle()  # the kernel must see the agreed flag
+        agreement = self._agreement
+        if agreement is not None:
+            agreement.settle()  # the kernel must see the agreed flag
+            agreed = record.found_inf  # below: when this rank held none, did any rank?
+            if record.local_found_inf is None and agreed is not None and (
+                not agreement.any_gradients(agreed)
+            ):
+                record.found_inf = None  # held by no rank: refused at update(), as in torch
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=live.device)
@@ -726,8 +732,9 @@ class GradScaler(TorchPrivateNames):
         """Load a state saved by this class or by ``torch.amp.GradScaler``.
 
         Everything is validated before anything changes: a rejected dict leaves the scaler as
-        it was. With a ``process_group``, the ranks compare what they loaded at the next step
-        (one gather per group) and stop with an error naming the ranks that differ.
+        it was. With a ``process_group``, the ranks compare what they hold at the next step
+        (in the all_reduce they make anyway): ranks that loaded different checkpoints, or only
+        some of them, stop with an error naming the ranks and what differs, every rank alike.
 
         Like torch, the checkpoint's configuration (factors, interval, and here also the rest
         of the policy and ``max_consecutive_skips`` when present) replaces the constructor's.
@@ -756,7 +763,7 @@ class GradScaler(TorchPrivateNames):
         if restore_guards is not None:
             restore_guards()
         if self._agreement is not None:
-            self._agreement.recheck()  # the ranks compare what they loaded at the next step
+            self._agreement.note_load()  # the ranks compare what they hold at the next step
 
     def _agree_over(self, process_group: GroupSpec) -> None:
         """Agree on overflow over ``process_group`` from the next check on, as if it had been

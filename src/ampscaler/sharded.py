@@ -74,9 +74,9 @@ class ShardedGradScaler(GradScaler):
         scaler.update()
 
     What syncs: as :class:`~ampscaler.GradScaler`, plus the agreement's collectives (one
-    ``all_reduce`` of a flag per optimizer and iteration; at the first step one gather of the
-    settings; on skipped steps one gather naming the ranks that overflowed); see
-    :mod:`ampscaler.distributed`.
+    ``all_reduce`` of a small verdict per optimizer and iteration; on skipped steps one gather
+    naming the ranks that overflowed; when the ranks' settings or state differ, one gather
+    naming the differences before every rank raises); see :mod:`ampscaler.distributed`.
 
     Args:
         device: device type of the scale ("cuda", "cpu", ...), or ``None`` for the device of

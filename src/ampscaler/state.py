@@ -428,15 +428,14 @@ class ScalerState:
         return _host_state(scale, live.tensors, read[:-1], stats)
 
     def comparable(self) -> dict[str, Any]:
-        """What ranks compare before they agree: the policy's settings and every state tensor
-        (0-dim; a tensor of several values by its sum)."""
+        """What ranks compare: the policy's settings, and every state tensor (the live objects,
+        which later updates change in place)."""
         policy = self._policy
         settings: dict[str, Any] = {**policy.torch_rule()._asdict(), "policy": policy.kind}
         settings.update(policy.settings())
         live = self.live
         if live is not None:
-            for name, tensor in live.tensors._asdict().items():
-                settings[name] = tensor if tensor.dim() == 0 else tensor.sum()
+            settings.update(live.tensors._asdict())
         return settings
 
     # ------------------------------------------------------------------ writes
