@@ -10,9 +10,12 @@ collective its peers never make fails within seconds instead of hanging.
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -157,12 +160,40 @@ for _fused, _name in ((False, "sgd"), (True, "fused")):
     })  # fmt: skip
 
 
-#: The scenarios, in the order one launch runs them.
+def world_read_too_early(rank: int, world: int) -> list[list[str]]:
+    """A scaler built while ``torch.distributed.group.WORLD`` is still ``None`` (the group is
+    destroyed and made again around it), and one that leaves ``process_group`` out: the
+    warnings each gives over two steps once the ranks exist. Runs last: it replaces the group."""
+    dist.destroy_process_group()
+    early = ampscaler.GradScaler("cpu", process_group=dist.group.WORLD)  # None here
+    omitted = ampscaler.GradScaler("cpu")
+    store = dist.FileStore(os.path.join(multirank.shared_dir(), "world-again"), world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )  # fmt: skip
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for scaler in (early, omitted):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+        seen.append([str(w.message) for w in caught if w.category is UserWarning])
+    return seen
+
+
+multirank.SCENARIOS["world_read_too_early"] = world_read_too_early
+
+#: The scenarios, in the order one launch runs them (the last one replaces the group).
 NAMES = [
     name
     for name in multirank.SCENARIOS
     if name.startswith(("load_", "scale_", "gradless_", "guard_"))
-]
+] + ["world_read_too_early"]
 
 
 def same_run_uninterrupted(fused: bool, load_at: int, scale: float) -> Seen:

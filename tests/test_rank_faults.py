@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ampscaler
 import fault_scenarios
 import multirank
 from fault_scenarios import LOAD_AT, Seen
@@ -119,3 +120,30 @@ def test_a_guard_beside_an_overflow_on_one_rank_skips_on_every_rank(
     assert rank0.skipped == rank1.skipped == [s == 3 for s in range(fault_scenarios.STEPS)]
     assert rank0.scales == rank1.scales
 
+
+def test_a_world_group_read_before_init_process_group_is_named_at_the_first_step(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``process_group=dist.group.WORLD`` at import time is ``None``: the scaler cannot agree,
+    and says so once the process turns out to be one of several ranks (not when
+    ``process_group`` was left out, as with DDP)."""
+    for rank in range(2):
+        early, omitted = ranks[rank]["world_read_too_early"]
+        assert len(early) == 1 and omitted == []
+        assert f"rank {rank} of 2" in early[0]
+        assert "torch.distributed.group.WORLD, which is None until init_process_group()" in early[0]
+        assert "construct the scaler after init_process_group()" in early[0]
+
+
+def test_process_group_none_alone_says_nothing() -> None:
+    """A single process (torch.distributed never initialized) has nothing to agree on."""
+    import warnings
+
+    scaler = ampscaler.GradScaler("cpu", process_group=None)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()

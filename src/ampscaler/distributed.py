@@ -60,10 +60,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import InvalidConfigError, ScalerUsageError
+from .errors import InvalidConfigError, ScalerUsageError, warn_at_caller
 from .hostcopy import HostCopy, read_values
 
-__all__ = ["GroupSpec", "RankAgreement", "SettingValue"]
+__all__ = ["NO_GROUP", "GroupSpec", "RankAgreement", "SettingValue", "agreement_for"]
 
 GroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 """What ``process_group=`` takes: one group, or several whose union must agree."""
@@ -81,6 +81,53 @@ _PRIME = 16777213
 #: The slots of a verdict: the inf flag, whether the rank held gradients, the fingerprint and
 #: its negation (the max of the negation is minus the smallest fingerprint).
 _FLAG, _HELD, _PRINT, _NEG_PRINT = range(4)
+
+class _NoGroup:
+    """The default of ``process_group=``: no agreement. Told apart from an explicit ``None``,
+    which is also what ``torch.distributed.group.WORLD`` is before ``init_process_group()``."""
+
+    def __repr__(self) -> str:
+        return "None"
+
+
+#: ``process_group``'s default (shown as ``None``): the ranks do not agree.
+NO_GROUP: Any = _NoGroup()
+
+
+def agreement_for(process_group: GroupSpec | None) -> tuple[RankAgreement | None, bool]:
+    """The agreement ``process_group=`` asks for (``None`` for none), and whether to look at the
+    first step for the likely mistake of an explicit ``None`` given before torch.distributed
+    was initialized (see :func:`warn_if_world_came_later`).
+
+    Raises:
+        InvalidConfigError: see :class:`RankAgreement`.
+    """
+    if process_group is NO_GROUP:
+        return None, False
+    if process_group is None:
+        return None, dist.is_available() and not dist.is_initialized()
+    return RankAgreement(process_group), False
+
+
+def warn_if_world_came_later() -> None:
+    """At the first step of a scaler given ``process_group=None`` before torch.distributed was
+    initialized: if it is initialized now with several ranks, the ``None`` was most likely
+    ``torch.distributed.group.WORLD`` read too early, and the ranks do not agree; say so (a
+    :class:`UserWarning`). Nothing when this process is alone."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    warn_at_caller(
+        f"This GradScaler was given process_group=None before torch.distributed was "
+        f"initialized, and this process is now rank {dist.get_rank()} of "
+        f"{dist.get_world_size()}: the ranks do not agree on overflow (with sharded gradients "
+        "-- FSDP, ZeRO, tensor or pipeline parallelism -- their scales and parameters drift "
+        "apart). If the None was torch.distributed.group.WORLD, which is None until "
+        "init_process_group(), construct the scaler after init_process_group(), or use "
+        "ampscaler.ShardedGradScaler, which looks the default group up at its first scale(). "
+        "With DDP no agreement is needed: leave process_group out.",
+        UserWarning,
+    )
+
 
 def _require_group(group: object) -> dist.ProcessGroup:
     if not dist.is_available():

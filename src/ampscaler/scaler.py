@@ -32,7 +32,14 @@ import torch
 from .arguments import check_skip_limit, check_switch, device_and_enabled, new_scale_value
 from .checkpoint import from_state_dict, to_state_dict
 from .compat import TorchPrivateNames
-from .distributed import GroupSpec, RankAgreement, SettingValue
+from .distributed import (
+    NO_GROUP,
+    GroupSpec,
+    RankAgreement,
+    SettingValue,
+    agreement_for,
+    warn_if_world_came_later,
+)
 from .errors import PersistentOverflowError, ScalerUsageError
 from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
@@ -170,7 +177,10 @@ class GradScaler(TorchPrivateNames):
         process_group: a ``torch.distributed`` group whose ranks must agree on overflow (FSDP,
             ZeRO, tensor or pipeline parallelism; not needed with DDP), or a list of groups
             whose union must (Megatron's tensor- and data-parallel groups): each optimizer's
-            flag is max-reduced over them before the step decision. One all_reduce per group,
+            flag is max-reduced over them before the step decision. Left out (or ``None``): no
+            agreement; a ``None`` given before ``init_process_group()``, when
+            ``torch.distributed.group.WORLD`` is still ``None``, warns at the first step if this
+            process then turns out to be one of several ranks. One all_reduce per group,
             optimizer and iteration; see :mod:`ampscaler.distributed` and docs/distributed.md.
         flat_grads: an opt-in speed-up for many small gradients: move gradients that stay the
             same tensors from step to step into one flat buffer per device and dtype, so the
@@ -208,7 +218,7 @@ class GradScaler(TorchPrivateNames):
         min_scale: float | None = None,
         max_scale: float | None = None,
         max_consecutive_skips: int | None = None,
-        process_group: GroupSpec | None = None,
+        process_group: GroupSpec | None = NO_GROUP,
         flat_grads: bool = False,
         one_pass_fused: bool = False,
     ) -> None:
@@ -224,7 +234,7 @@ class GradScaler(TorchPrivateNames):
         self._planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
-        self._agreement = None if process_group is None else RankAgreement(process_group)
+        self._agreement, self._world_expected = agreement_for(process_group)
         self._state = ScalerState(chosen, self._init_scale)
         if self._fused.one_pass:
             self._state.watch_powers_of_two()
@@ -403,6 +413,9 @@ class GradScaler(TorchPrivateNames):
             record.local_found_inf, found_inf = self._agreement.agree(
                 found_inf, live.device, self._settings
             )
+        elif self._world_expected:  # process_group=None given before init_process_group()
+            self._world_expected = False
+            warn_if_world_came_later()
         record.found_inf = found_inf
         self._iteration.scale = live.scale
 
