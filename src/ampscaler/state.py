@@ -450,6 +450,8 @@ class ScalerState:
         does not see; and what a measuring policy ``measured``): move the state by the policy,
         count it. Returns a copy of the scale the iteration started from. No host sync."""
         live = self._settled_live()
+        if self._watch is not None:
+            self._watch.before_update()
         old = live.scale.clone()
         self._policy.update_(live.tensors, found_inf, measured)
         _keep_lowest_scale(self._policy, live.scale)
@@ -512,7 +514,7 @@ class ScalerState:
             self._watch = Pow2Watch(self._policy.power_of_two)
             live = self._live
             if live is not None:
-                self._watch.use_device(live.device)
+                self._watch.follow(live.scale)
             self._watch.saw(self.scale_value())
 
     @property
@@ -531,7 +533,7 @@ class ScalerState:
         self._live = LiveState(tensors, host.stats)
         self._pending = (self._nothing(device),)
         if self._watch is not None:
-            self._watch.use_device(device)
+            self._watch.follow(self._live.scale)
             # As held on the host: a power of two here is one in float32 too; a value that only
             # rounds to one counts as unknown, which is safe (torch's route until the next read).
             self._watch.saw(host.scale)
