@@ -202,3 +202,71 @@ def test_constructor_values_torch_takes_build_a_scaler_that_trains_as_torchs(cas
     assert ours.get_scale() == float(theirs.get_scale())
     _assert_same_training(_train(ours), _train(theirs))
     assert isinstance(ours.state_dict()["scale"], float)  # saved as a plain number
+
+
+# ---------------------------------------------------------------- bounds and templates (item 6)
+
+
+def test_growth_interval_is_bounded_by_the_int32_growth_tracker_everywhere() -> None:
+    """torch's int32 growth tracker wraps after 2**31 - 1 clean steps; an interval beyond it
+    would never be reached and the wrapped tracker would not load again. Refused wherever an
+    interval comes in; at the bound itself, the tracker grows, resets and reloads."""
+    bound = 2**31 - 1
+    message = r"growth_interval must be >= 1 and <= 2\*\*31 - 1"
+    with pytest.raises(ampscaler.InvalidConfigError, match=message):
+        ampscaler.GradScaler("cpu", growth_interval=bound + 1)
+    scaler = ampscaler.GradScaler("cpu", growth_interval=bound)
+    for write in (scaler.set_growth_interval, lambda v: setattr(scaler, "_growth_interval", v)):
+        with pytest.raises(ampscaler.InvalidConfigError, match=message):
+            write(bound + 1)
+    scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": bound - 1})
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()  # the 2**31 - 1st clean step: grows, the tracker back to 0
+    assert scaler.get_scale() == 2.0**17 and scaler._get_growth_tracker() == 0
+    ampscaler.GradScaler("cpu").load_state_dict(scaler.state_dict())
+
+
+def _dcp_round_trip(saved: ampscaler.GradScaler, template: ampscaler.GradScaler, path: str) -> None:
+    """``saved`` through torch.distributed.checkpoint into ``template`` (one process): DCP loads
+    into the layout the template's state_dict() gives, then calls its load_state_dict()."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"scaler": saved}, checkpoint_id=path)
+        dcp.load({"scaler": template}, checkpoint_id=path)
+
+
+def test_a_dcp_template_without_the_headroom_section_is_refused(tmp_path: Any) -> None:
+    """A HeadroomPolicy checkpoint loaded into a ScalePolicy scaler's template: DCP keeps only
+    the template's keys, so the measurements are lost on the way; the dict still names its
+    policy, and the load is refused instead of turning it into a ScalePolicy."""
+    saved = ampscaler.GradScaler("cpu", policy=ampscaler.HeadroomPolicy())
+    template = ampscaler.GradScaler("cpu", init_scale=8.0)
+    before = _everything(template)
+    with pytest.raises(ampscaler.InvalidStateDictError, match="holds no 'headroom' section"):
+        _dcp_round_trip(saved, template, str(tmp_path / "headroom"))
+    after = _everything(template)
+    assert after[0] == before[0] and after[1] == before[1]
+    same_policy = ampscaler.GradScaler("cpu", policy=ampscaler.HeadroomPolicy(margin=4.0))
+    _dcp_round_trip(saved, same_policy, str(tmp_path / "headroom-again"))
+    assert same_policy.policy == saved.policy  # the checkpoint's settings win
+
+
+def test_guard_state_dropped_through_dcp_is_said_or_refused(tmp_path: Any) -> None:
+    """The checkpoint's guard state has no guard to go to: DCP's load warns as a direct load
+    does, and a filter that makes the warning an error rejects the whole load."""
+    saved = ampscaler.GradScaler("cpu", init_scale=1024.0)
+    saved.add_guard(ampscaler.SpikeGuard(window=16))
+    template = ampscaler.GradScaler("cpu", init_scale=8.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="The checkpoint holds the state")
+        with pytest.raises(UserWarning, match=r"\(SpikeGuard\) is dropped"):
+            _dcp_round_trip(saved, template, str(tmp_path / "refused"))
+    assert template.get_scale() == 8.0
+    with pytest.warns(UserWarning, match=r"the state of the other 1 \(SpikeGuard\) is dropped"):
+        _dcp_round_trip(saved, template, str(tmp_path / "said"))
+    assert template.get_scale() == 1024.0
