@@ -135,6 +135,33 @@ def _gradless(rank: int, fused: bool, beside: bool) -> Seen:
     return seen
 
 
+def _gradless_sharded(rank: int, fused: bool) -> list[tuple[str | None, list[float]]]:
+    """ampscaler's ShardedGradScaler and torch's, an optimizer without gradients on any rank:
+    what each raised, and the scales."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+    seen = []
+    for factory in (ampscaler.ShardedGradScaler, TorchSharded):
+        torch.manual_seed(0)
+        model = multirank.Net()
+        idle = multirank.make_optimizer(list(model.spare.parameters()), "adam" if fused else "sgd")
+        scaler = factory(
+            "cpu", init_scale=2.0**10, growth_interval=1, process_group=dist.group.WORLD
+        )
+        scales: list[float] = []
+        error = None
+        try:
+            for step in range(3):
+                scaler.scale(multirank.loss_of(model, step)).backward()
+                scaler.step(idle)
+                scaler.update()
+                scales.append(scaler.get_scale())
+        except Exception as caught:
+            error = f"{type(caught).__name__}: {caught}"
+        seen.append((error, scales))
+    return seen
+
+
 for _fused, _name in ((False, "sgd"), (True, "fused")):
     multirank.SCENARIOS.update({
         f"load_on_one_rank_{_name}": lambda r, w, f=_fused: _train(
@@ -154,6 +181,7 @@ for _fused, _name in ((False, "sgd"), (True, "fused")):
         ),
         f"gradless_everywhere_{_name}": lambda r, w, f=_fused: _gradless(r, f, beside=False),
         f"gradless_beside_{_name}": lambda r, w, f=_fused: _gradless(r, f, beside=True),
+        f"gradless_sharded_{_name}": lambda r, w, f=_fused: _gradless_sharded(r, f),
         f"guard_beside_overflow_{_name}": lambda r, w, f=_fused: _train(
             r, f, overflow=lambda rank, step: rank == 1 and step == 3, guard=True
         ),

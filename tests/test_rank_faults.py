@@ -110,6 +110,16 @@ def test_an_optimizer_without_gradients_on_any_rank_is_torchs_error_on_every_ran
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_sharded_scaler_steps_an_optimizer_without_gradients_as_torchs_does(
+    ranks: list[dict[str, Any]], kind: str
+) -> None:
+    """torch's ShardedGradScaler gives it a clean flag (and the scale grows); so does ours."""
+    for rank in range(2):
+        (ours, theirs) = ranks[rank][f"gradless_sharded_{kind}"]
+        assert ours == theirs == (None, [2.0**11, 2.0**12, 2.0**13])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_guard_beside_an_overflow_on_one_rank_skips_on_every_rank(
     ranks: list[dict[str, Any]], kind: str
 ) -> None:

@@ -33,8 +33,10 @@ becomes the same error on every rank instead of a hang until the group's timeout
 * per skipped optimizer step only: one gather of the local flags per group, to name the ranks
   whose gradients overflowed.
 
-An optimizer that holds gradients on no rank of the groups is refused as torch refuses it
-without a group, on every rank: a non-fused one in ``step()``, a fused one in ``update()``.
+An optimizer that holds gradients on no rank of the groups is refused as torch's
+``GradScaler`` refuses it, on every rank: a non-fused one in ``step()``, a fused one in
+``update()``; with ``refuse_unchecked=False`` (torch's ``ShardedGradScaler``, which gives such
+an optimizer a clean flag) it is stepped as a clean one.
 
 Every rank must therefore call the scaler's methods in the same order, as training loops do.
 
@@ -82,6 +84,7 @@ _PRIME = 16777213
 #: its negation (the max of the negation is minus the smallest fingerprint).
 _FLAG, _HELD, _PRINT, _NEG_PRINT = range(4)
 
+
 class _NoGroup:
     """The default of ``process_group=``: no agreement. Told apart from an explicit ``None``,
     which is also what ``torch.distributed.group.WORLD`` is before ``init_process_group()``."""
@@ -94,10 +97,13 @@ class _NoGroup:
 NO_GROUP: Any = _NoGroup()
 
 
-def agreement_for(process_group: GroupSpec | None) -> tuple[RankAgreement | None, bool]:
-    """The agreement ``process_group=`` asks for (``None`` for none), and whether to look at the
-    first step for the likely mistake of an explicit ``None`` given before torch.distributed
-    was initialized (see :func:`warn_if_world_came_later`).
+def agreement_for(
+    process_group: GroupSpec | None, refuse_unchecked: bool = True
+) -> tuple[RankAgreement | None, bool]:
+    """The agreement ``process_group=`` asks for (``None`` for none; ``refuse_unchecked``: see
+    :class:`RankAgreement`), and whether to look at the first step for the likely mistake of
+    an explicit ``None`` given before torch.distributed was initialized (see
+    :func:`warn_if_world_came_later`).
 
     Raises:
         InvalidConfigError: see :class:`RankAgreement`.
@@ -106,7 +112,7 @@ def agreement_for(process_group: GroupSpec | None) -> tuple[RankAgreement | None
         return None, False
     if process_group is None:
         return None, dist.is_available() and not dist.is_initialized()
-    return RankAgreement(process_group), False
+    return RankAgreement(process_group, refuse_unchecked), False
 
 
 def warn_if_world_came_later() -> None:
@@ -211,6 +217,9 @@ class RankAgreement:
 
     Args:
         groups: one process group, or several (see the module docstring).
+        refuse_unchecked: refuse an optimizer none of whose gradients any rank held, as
+            torch's ``GradScaler`` refuses it (``False``: step it as clean, as torch's
+            ``ShardedGradScaler`` does).
 
     Raises:
         InvalidConfigError: (a ``ValueError``, as torch raises for an uninitialized default
@@ -218,8 +227,9 @@ class RankAgreement:
             process group, a destroyed group, or a group this rank is not a member of.
     """
 
-    def __init__(self, groups: GroupSpec) -> None:
+    def __init__(self, groups: GroupSpec, refuse_unchecked: bool = True) -> None:
         self._groups = _distinct_groups(groups)
+        self._refuse_unchecked = refuse_unchecked
         self._pending: list[dist.Work] = []
         self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
         self._settings: Callable[[], Mapping[str, SettingValue]] | None = None
@@ -411,7 +421,7 @@ class RankAgreement:
             InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
                 gather naming the differences).
             ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
-                without a group; every rank raises).
+                without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
         """
         self._settle()  # read below: no copy for the next check
         skip = agreed if spike is None else torch.maximum(agreed, spike)
@@ -420,18 +430,21 @@ class RankAgreement:
         self._mismatch = self._landing = None
         if any(read[2:]):
             self._stop()
-        if read[0][_HELD] <= 0:
+        if self._refuse_unchecked and read[0][_HELD] <= 0:
             raise ScalerUsageError(NO_GRADIENTS)
         if not read[1]:
             return False, ()
         return True, self.ranks_with_overflow(local_flag)
 
-    def any_gradients(self, agreed: torch.Tensor) -> bool:
-        """Whether some rank of the groups held gradients of the optimizer whose verdict is
-        ``agreed`` (a host sync: ask only on a rank that held none of them itself, which does
-        not know without reading)."""
+    def unchecked(self, agreed: torch.Tensor) -> bool:
+        """Whether the optimizer whose verdict is ``agreed`` is to be treated as unchecked (as
+        torch's ``GradScaler`` treats an optimizer without gradients): no rank of the groups
+        held any of its gradients, and this agreement refuses such optimizers. A host sync
+        when it does: ask only on a rank that held none of them itself."""
+        if not self._refuse_unchecked:
+            return False
         self.settle()
-        return float(_verdict_of(agreed)[_HELD].item()) > 0
+        return float(_verdict_of(agreed)[_HELD].item()) <= 0
 
     def ranks_with_overflow(self, local_flag: torch.Tensor | None) -> tuple[int, ...]:
         """The global ranks whose ``local_flag`` was set (``None``: this rank held no

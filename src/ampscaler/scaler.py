@@ -203,6 +203,10 @@ class GradScaler(TorchPrivateNames):
     #: Whether :meth:`unscale_` accepts float16 gradients (torch's sharded scaler does; a
     #: subclass sets it, see :class:`~ampscaler.ShardedGradScaler`).
     _unscale_allows_fp16: bool = False
+    #: Whether an optimizer with gradients on no rank of ``process_group`` is refused, as
+    #: torch's ``GradScaler`` refuses one without gradients (torch's sharded scaler steps it as
+    #: clean; :class:`~ampscaler.ShardedGradScaler` sets it ``False``).
+    _refuses_unchecked: bool = True
 
     def __init__(
         self,
@@ -234,7 +238,9 @@ class GradScaler(TorchPrivateNames):
         self._planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
-        self._agreement, self._world_expected = agreement_for(process_group)
+        self._agreement, self._world_expected = agreement_for(
+            process_group, self._refuses_unchecked
+        )
         self._state = ScalerState(chosen, self._init_scale)
         if self._fused.one_pass:
             self._state.watch_powers_of_two()
@@ -516,7 +522,7 @@ class GradScaler(TorchPrivateNames):
             agreement.settle()  # the kernel must see the agreed flag
             agreed = record.found_inf  # below: when this rank held none, did any rank?
             if record.local_found_inf is None and agreed is not None and (
-                not agreement.any_gradients(agreed)
+                agreement.unchecked(agreed)
             ):
                 record.found_inf = None  # held by no rank: refused at update(), as in torch
         found_inf = record.found_inf
@@ -782,7 +788,7 @@ class GradScaler(TorchPrivateNames):
         """Agree on overflow over ``process_group`` from the next check on, as if it had been
         given to the constructor (for a subclass whose group is known only once
         torch.distributed is initialized: :class:`~ampscaler.ShardedGradScaler`)."""
-        self._agreement = RankAgreement(process_group)
+        self._agreement = RankAgreement(process_group, self._refuses_unchecked)
         if self._meter is not None:  # measured values are agreed over the group from now on
             self._meter.detach()
             self._meter = self._new_meter(self._state.policy, 0)

@@ -100,6 +100,8 @@ class ShardedGradScaler(GradScaler):
     """
 
     _unscale_allows_fp16 = True
+    # torch's sharded scaler gives an optimizer without gradients on any rank a clean flag
+    _refuses_unchecked = False
 
     def __init__(
         self,
