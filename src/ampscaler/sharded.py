@@ -28,7 +28,7 @@ Example (one process; real runs start every rank with ``torchrun``)::
     >>> model = torch.nn.Linear(4, 1)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> scaler.scale(model(torch.ones(2, 4)).sum()).backward()   # binds the default group
-    >>> scaler.unscale_(opt)                                     # one all_reduce of the flag
+    >>> scaler.unscale_(opt)                                     # one all_reduce of the verdict
     >>> scaler.step(opt)
     >>> scaler.update()
     >>> scaler.get_scale(), scaler.last_step_skipped
