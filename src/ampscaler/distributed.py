@@ -331,14 +331,12 @@ class RankAgreement:
         """
         self._settings = settings
         self._check_landed()
-        held = found_inf is not None
-        flag = found_inf if found_inf is not None else torch.zeros((), device=device)
         if self._compared is None:  # the first time, and after a load
             self._compared = _Compared(settings(), self._loads)
+        no, yes = self._compared.constants(device)
+        flag = no if found_inf is None else found_inf.to(torch.float32)
         fingerprint = self._compared.fingerprint(device)
-        verdict = torch.stack(
-            [flag.to(torch.float32), flag.new_full((), float(held)), fingerprint, -fingerprint]
-        )
+        verdict = torch.stack([flag, no if found_inf is None else yes, fingerprint, -fingerprint])
         self._reduce_max(verdict)
         self._verdicts.append(verdict)
         return found_inf, verdict[_FLAG]
@@ -388,23 +386,27 @@ class RankAgreement:
         With gloo (CPU) this blocks the host until the reductions are done; with NCCL it only
         makes the current stream wait for them. No host sync.
         """
-        if self._settle():  # what was found starts on its way to the next agree()'s check
+        settled = self._settle()
+        for verdict in settled:
+            self._fold(verdict)
+        if settled:  # what was found starts on its way to the next agree()'s check
             assert self._mismatch is not None
             self._landing = HostCopy(self._mismatch, 0)
 
-    def _settle(self) -> bool:
-        """:meth:`settle`, without copying what was found; whether any verdict settled."""
+    def _settle(self) -> list[torch.Tensor]:
+        """Wait for every reduction launched so far; the verdicts that settled."""
         for work in self._pending:
             work.wait()
         self._pending.clear()
-        if not self._verdicts:
-            return False
-        for verdict in self._verdicts:
-            differ = verdict[_PRINT] != -verdict[_NEG_PRINT]
-            verdict[_FLAG].copy_(torch.where(differ, 1.0, verdict[_FLAG]))
-            self._mismatch = differ if self._mismatch is None else self._mismatch | differ
-        self._verdicts.clear()
-        return True
+        settled, self._verdicts = self._verdicts, []
+        return settled
+
+    def _fold(self, verdict: torch.Tensor) -> None:
+        """A verdict nobody reads now (its kernel takes the flag): if its fingerprints differ,
+        set its flag on the device (the step is skipped) and keep that for the check."""
+        differ = verdict[_PRINT] + verdict[_NEG_PRINT] != 0  # max != min
+        verdict[_FLAG].masked_fill_(differ, 1.0)
+        self._mismatch = differ if self._mismatch is None else self._mismatch | differ
 
     def decide(
         self,
@@ -423,16 +425,20 @@ class RankAgreement:
             ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
                 without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
         """
-        self._settle()  # read below: no copy for the next check
+        mine = _verdict_of(agreed)
+        for verdict in self._settle():  # this one is read here; others' kernels take theirs
+            if verdict is not mine:
+                self._fold(verdict)
         skip = agreed if spike is None else torch.maximum(agreed, spike)
-        mismatch = [] if self._mismatch is None else [self._mismatch]
-        read = read_values([_verdict_of(agreed), skip, *mismatch])
+        earlier = [] if self._mismatch is None else [self._mismatch]
+        read = read_values([mine, skip, *earlier])
         self._mismatch = self._landing = None
-        if any(read[2:]):
+        verdict, skipped = read[0], read[1]
+        if verdict[_PRINT] != -verdict[_NEG_PRINT] or any(read[2:]):
             self._stop()
-        if self._refuse_unchecked and read[0][_HELD] <= 0:
+        if self._refuse_unchecked and verdict[_HELD] <= 0:
             raise ScalerUsageError(NO_GRADIENTS)
-        if not read[1]:
+        if not skipped:
             return False, ()
         return True, self.ranks_with_overflow(local_flag)
 
@@ -517,35 +523,60 @@ def _verdict_of(agreed: torch.Tensor) -> torch.Tensor:
 
 class _Compared:
     """What the verdicts fingerprint: the settings (hashed once, with the count of loads) and
-    the live state tensors among them (hashed at every verdict, on their device)."""
+    the live state tensors among them (hashed on their device when they have changed)."""
 
     def __init__(self, settings: Mapping[str, SettingValue], loads: int) -> None:
         numbers = _plain_row({k: v for k, v in settings.items() if not isinstance(v, torch.Tensor)})
         self._code = zlib.crc32(repr((sorted(numbers.items()), loads)).encode()) % _PRIME
         self._tensors = [v for _, v in sorted(settings.items()) if isinstance(v, torch.Tensor)]
-        self._weights: dict[torch.device, torch.Tensor] = {}
+        # Integer views of the live tensors (the same memory: they see every update).
+        self._words = [_bits(tensor) for tensor in self._tensors]
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._last: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``0.0`` and ``1.0`` on ``device`` (made once: no copy to the device per verdict)."""
+        made = self._made(device)
+        return made[0], made[1]
+
+    def _made(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        made = self._on.get(device)
+        if made is None:
+            words = sum(view.numel() for view in self._words) + 1
+            weights = [pow(1_000_003, i, _PRIME) for i in range(words)]
+            made = self._on[device] = (
+                torch.zeros((), device=device),
+                torch.ones((), device=device),
+                torch.tensor(weights, device=device),
+                torch.tensor([self._code], dtype=torch.int32, device=device),
+            )
+        return made
 
     def fingerprint(self, device: torch.device) -> torch.Tensor:
         """A 0-dim float32 in ``[0, 2**24)`` on ``device`` (exact in float32, so a max and a
-        min compare it). A few small device operations, no host sync."""
-        if not self._tensors:
-            return torch.full((), float(self._code), dtype=torch.float32, device=device)
-        words = torch.cat([_bits(tensor.to(device)) for tensor in self._tensors])
-        weights = self._weights.get(device)
-        if weights is None:  # made once per device: no copy to the device per verdict
-            powers = [pow(1_000_003, i, _PRIME) for i in range(words.numel())]
-            weights = self._weights[device] = torch.tensor(powers, device=device)
-        mixed = (words.remainder(_PRIME) * weights).sum() + self._code
-        return mixed.remainder(_PRIME).to(torch.float32)
+        min compare it): five small device operations when a state tensor has changed since
+        the last one (their version counters, read on the host, say so), none otherwise."""
+        versions = None
+        if not torch.compiler.is_compiling():  # traced code does not read version counters
+            versions = tuple(tensor._version for tensor in self._tensors)
+            if self._last is not None and self._last[0] == versions:
+                return self._last[1]
+        _, _, weights, code = self._made(device)
+        words = torch.cat([*self._words, code])  # the state tensors live on ``device``
+        fingerprint = (words * weights).sum().remainder(_PRIME).to(torch.float32)
+        self._last = None if versions is None else (versions, fingerprint)
+        return fingerprint
 
 
 def _bits(value: torch.Tensor) -> torch.Tensor:
-    """A tensor's values as integers, flattened (floats' bits reinterpreted, not converted:
-    ``-0.0`` and ``0.0`` differ, NaN equals itself)."""
+    """A tensor's bytes as 32-bit (or narrower) integers, flattened, without a copy: floats'
+    bits reinterpreted, not converted (``-0.0`` and ``0.0`` differ, NaN equals itself)."""
     flat = value.detach().reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[flat.element_size()])
-    return flat
+    return flat.view(_WORDS[flat.element_size()])
+
+
+#: The integer type a tensor's bytes are read as, by element size (8 bytes: two int32 words).
+_WORDS = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _plain_row(settings: Mapping[str, SettingValue]) -> dict[str, float | str | None]:
