@@ -287,13 +287,15 @@ def test_a_scale_backed_off_150_times_stops_at_two_to_the_minus_126_on_the_fast_
     still exact, so the one-pass route stays open and matches the default route's results."""
     kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
     overflow_at = tuple(range(150))
-    ours, routes = _train(
-        _one_pass, FUSED["adam"], steps=162, overflow_at=overflow_at,
-        scaler_kwargs=kwargs, read_scale=False,
-    )
-    default, default_routes = _train(
-        ampscaler.GradScaler, FUSED["adam"], steps=162, overflow_at=overflow_at,
-        scaler_kwargs=kwargs, read_scale=False,
-    )
+    with pytest.warns(ampscaler.ScaleFloorWarning, match="at step 141 the scale is 2"):
+        ours, routes = _train(
+            _one_pass, FUSED["adam"], steps=162, overflow_at=overflow_at,
+            scaler_kwargs=kwargs, read_scale=False,
+        )
+    with pytest.warns(ampscaler.ScaleFloorWarning, match="at step 141 the scale is 2"):
+        default, default_routes = _train(
+            ampscaler.GradScaler, FUSED["adam"], steps=162, overflow_at=overflow_at,
+            scaler_kwargs=kwargs, read_scale=False,
+        )
     _assert_same(ours, default)
     assert routes == ["check"] * 162 and default_routes == ["kernel"] * 162
