@@ -98,9 +98,7 @@ def whole_steps(args: argparse.Namespace, device: torch.device) -> None:
         theirs = timings.overhead(f"{mode} torch", f"{mode} none")
         ours = timings.overhead(f"{mode} ampscaler", f"{mode} none")
         ratio = f"{ours / theirs:.2f}" if theirs > 0 else "-"
-        print(
-            f"{mode:<10} {ms(base):>10} {'+' + ms(theirs):>8} {'+' + ms(ours):>10} {ratio:>6}"
-        )
+        print(f"{mode:<10} {ms(base):>10} {'+' + ms(theirs):>8} {'+' + ms(ours):>10} {ratio:>6}")
     for name, (breaks, graphs) in compile_counts.items():
         print(f"compiled step with {name} scaler: {breaks} graph breaks, {graphs} graphs")
 

@@ -401,7 +401,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--models", default="mlp,lm", help="comma-separated: mlp, lm")
     parser.add_argument(
-        "--clock", choices=("cpu", "wall"), default="cpu",
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
         help="time steps by this thread's CPU time (default; steadier on a shared machine) "
         "or by the wall clock",
     )

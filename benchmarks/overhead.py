@@ -184,9 +184,7 @@ def synthetic_case(
     device: torch.device,
 ) -> Row:
     gen = torch.Generator().manual_seed(args.seed)
-    params = [
-        torch.nn.Parameter(torch.randn(size, generator=gen).to(device)) for _ in range(count)
-    ]
+    params = [torch.nn.Parameter(torch.randn(size, generator=gen).to(device)) for _ in range(count)]
     # Scaled gradients, as backward() leaves them: unscaled values around 1e-2.
     saved = [torch.randn(size, generator=gen).mul_(LOSS_SCALE * 1e-2).to(device) for _ in params]
     return calls_case(name, params, saved, make_optimizer(params), args, device)

@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> None:
 
     generator = torch.Generator().manual_seed(0)
     batches = [
-        (torch.randn(args.batch, args.width, generator=generator),
-         torch.randn(args.batch, 1, generator=generator))
+        (
+            torch.randn(args.batch, args.width, generator=generator),
+            torch.randn(args.batch, 1, generator=generator),
+        )
         for _ in range(args.steps)
     ]
     configurations = arms()

@@ -177,8 +177,10 @@ def run(work: Workload, way: Way, steps: int, max_attempts: int, outlier_every: 
         batch = next(data)
         outlier = work.outliers and step % outlier_every == outlier_every // 2
         start = time.thread_time()
-        tries = scaler.attempts(max_attempts) if way.replay == "attempts" else range(
-            max_attempts if way.replay == "by hand" else 1
+        tries = (
+            scaler.attempts(max_attempts)
+            if way.replay == "attempts"
+            else range(max_attempts if way.replay == "by hand" else 1)
         )
         for _ in tries:
             tally.tries += 1

@@ -15,9 +15,9 @@ def world_of_one() -> Iterator[dist.ProcessGroup]:
     try:
         yield dist.group.WORLD
     finally:
-        # Objects of the test that hold the group in reference cycles (scalers, their copies)
-        # go first: a group destroyed under them keeps its threads, and a rank forked later
-        # (tests/multirank.py) then hangs on their locks.
+        # Scalers caught in reference cycles (an exception's traceback holds the frame that
+        # holds the scaler) hold the group: freed before it is destroyed, or its threads
+        # outlive the test and a later forked multirank launch can hang on them.
         gc.collect()
         dist.destroy_process_group()
 

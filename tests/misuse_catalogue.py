@@ -12,12 +12,14 @@ errors raised now. After changing a message or a row, regenerate the page::
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import ampscaler
 
@@ -35,6 +37,10 @@ PRELUDES = {
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         'scaler = GradScaler("cpu")\n'
         "scaler.scale(model(torch.ones(1, 2)).sum()).backward()\n"
+    ),
+    "group": (
+        'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
+        'scaler = GradScaler("cpu", process_group=dist.group.WORLD)\n'
     ),
 }
 
@@ -62,7 +68,7 @@ class Misuse:
     deviation: str = ""
 
 
-_C, _O, _N, _S, _K, _H, _R, _P = (
+_C, _O, _N, _S, _K, _H, _R, _P, _G = (
     "Constructor arguments",
     "Call order",
     "update(new_scale)",
@@ -71,6 +77,7 @@ _C, _O, _N, _S, _K, _H, _R, _P = (
     "Guards, watches and summaries",
     "HeadroomPolicy",
     "Replay (attempts())",
+    "Process groups",
 )
 _CFG = ampscaler.InvalidConfigError
 _USE = ampscaler.ScalerUsageError
@@ -90,6 +97,7 @@ CASES: tuple[Misuse, ...] = (
     Misuse(_C, 'GradScaler("cpu", init_scale=float("inf"))', _CFG, ("init_scale", "finite")),
     Misuse(_C, 'GradScaler("cpu", init_scale=1e39)', _CFG, ("init_scale", "float32")),
     Misuse(_C, 'GradScaler("cpu", init_scale="65536")', _CFG, ("init_scale", "number")),
+    Misuse(_C, 'GradScaler("cpu", init_scale=1e-40)', _CFG, ("init_scale", "2**-126")),
     Misuse(_C, "GradScaler(0)", _CFG, ("device", "'cpu'")),
     Misuse(_C, "GradScaler(opt)", _CFG, ("device", "SGD", "scaler.step(optimizer)"), "model"),
     Misuse(_C, 'GradScaler("gpu")', _CFG, ("device", "'cpu'")),
@@ -256,6 +264,20 @@ CASES: tuple[Misuse, ...] = (
     ),
     Misuse(
         _S,
+        _SAVED + 'scaler.load_state_dict({**saved, "scale": 0.0})',
+        _SD,
+        ("scale", "2**-126", "collapsed run", "state_dict['scale']"),
+        "model",
+    ),
+    Misuse(
+        _S,
+        _SAVED + 'scaler.load_state_dict({**saved, "scale": 1e-40})',
+        _SD,
+        ("scale", "2**-126"),
+        "model",
+    ),
+    Misuse(
+        _S,
         _SAVED + 'scaler.load_state_dict({**saved, "_growth_tracker": -1})',
         _SD,
         ("_growth_tracker", ">= 0"),
@@ -289,6 +311,29 @@ CASES: tuple[Misuse, ...] = (
         _SAVED + 'scaler.load_state_dict({**saved, "_hysteresis_tracker": 5})',
         _SD,
         ("_hysteresis_tracker", "hysteresis"),
+        "model",
+        in_torch=False,
+    ),
+    Misuse(
+        _S,
+        _SAVED + 'scaler.load_state_dict({**saved, "_growth_tracker": 2**31})',
+        _SD,
+        ("_growth_tracker", "2**31 - 1"),
+        "model",
+    ),
+    Misuse(
+        _S,
+        _SAVED + 'scaler.load_state_dict({**saved, "stats": {"steps": 2**64}})',
+        _SD,
+        ("stats['steps']", "2**63 - 1"),
+        "model",
+        in_torch=False,
+    ),
+    Misuse(
+        _S,
+        _SAVED + 'scaler.load_state_dict({**saved, "hysteresis": 2**31})',
+        _SD,
+        ("hysteresis", "2**31 - 1"),
         "model",
         in_torch=False,
     ),
@@ -411,24 +456,47 @@ CASES: tuple[Misuse, ...] = (
         ("backoff_on_nonfinite_loss", "True or False"),
         in_torch=False,
     ),
+    Misuse(
+        _G,
+        "frozen = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1); "
+        "scaler.scale(torch.ones(())); scaler.step(frozen)",
+        _USE,
+        ("No inf checks", "on any rank of process_group"),
+        "group",
+        in_torch=False,
+    ),
+    Misuse(
+        _G,
+        "frozen = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], fused=True); "
+        "scaler.scale(torch.ones(())); scaler.step(frozen); scaler.update()",
+        _USE,
+        ("No inf checks", "update()"),
+        "group",
+        in_torch=False,
+    ),
 )
 
 
 def run(case: Misuse, factory: type) -> BaseException | None:
     """Run ``case`` against a scaler class; the exception it raised, or ``None``."""
     namespace = {
-        "torch": torch, "copy": copy, "GradScaler": factory,
+        "torch": torch, "copy": copy, "dist": dist, "GradScaler": factory,
         "ScalePolicy": ampscaler.ScalePolicy, "StaticPolicy": ampscaler.StaticPolicy,
         "SpikeGuard": ampscaler.SpikeGuard, "CollapseWatch": ampscaler.CollapseWatch,
         "LoggingSink": ampscaler.LoggingSink, "HeadroomPolicy": ampscaler.HeadroomPolicy,
     }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(PRELUDES[case.prelude], namespace)
         try:
+            exec(PRELUDES[case.prelude], namespace)
             exec(case.code, namespace)
         except Exception as error:
             return error
+        finally:
+            if dist.is_initialized():  # the "group" prelude's world of one
+                namespace.clear()
+                gc.collect()  # the scaler holds the group: freed before it is destroyed
+                dist.destroy_process_group()
     return None
 
 

@@ -387,7 +387,9 @@ def shared_dir() -> str:
     return _SHARED_DIR[0]
 
 
-def _run_rank(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+def _run_rank(
+    rank: int, world: int, port: int, out_dir: str, names: list[str], timeout_s: float
+) -> None:
     torch.set_num_threads(1)
     _SHARED_DIR[:] = [out_dir]
     dist.init_process_group(
@@ -395,7 +397,7 @@ def _run_rank(rank: int, world: int, port: int, out_dir: str, names: list[str]) 
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
+        timeout=timedelta(seconds=timeout_s),
     )
     try:
         results = {name: SCENARIOS[name](rank, world) for name in names}
@@ -404,11 +406,13 @@ def _run_rank(rank: int, world: int, port: int, out_dir: str, names: list[str]) 
         dist.destroy_process_group()
 
 
-def spawn(world: int, names: list[str]) -> list[dict[str, Any]]:
+def spawn(world: int, names: list[str], group_timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
     """Run ``names`` on ``world`` fresh gloo ranks; ``results[rank][name]``. Fails on a hang.
 
-    On Linux the ranks are forked, after importing here what they need (optimizers import
-    torch._dynamo lazily, seconds per process): a spawned rank pays every import again.
+    ``group_timeout_s`` is the process group's timeout: a collective that waits longer raises
+    in its rank (for fault scenarios, where a hang must fail fast). On Linux the ranks are
+    forked, after importing here what they need (optimizers import torch._dynamo lazily,
+    seconds per process): a spawned rank pays every import again.
     """
     import torch._dynamo
     import torch.distributed.fsdp
@@ -418,12 +422,12 @@ def spawn(world: int, names: list[str]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _run_rank,
-            args=(world, _free_port(), out_dir, names),
+            args=(world, _free_port(), out_dir, names, group_timeout_s),
             nprocs=world,
             join=False,
             start_method=method,
         )
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + max(TIMEOUT_S, group_timeout_s + 30.0)
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
                 for process in context.processes:

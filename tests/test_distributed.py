@@ -218,19 +218,22 @@ def test_unscale_starts_the_reduction_and_step_waits_for_it(
     assert scaler.stats.steps == 1
 
 
-def test_an_optimizer_without_gradients_takes_part_with_a_clean_flag(
-    world_of_one: dist.ProcessGroup,
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
+def test_an_optimizer_without_gradients_on_any_rank_is_refused_as_in_torch(
+    world_of_one: dist.ProcessGroup, fused: bool
 ) -> None:
-    idle = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
-    scaler = ampscaler.GradScaler("cpu", process_group=world_of_one)
-    scaler.scale(torch.ones(()))
-    assert scaler.step(idle) is None
-    scaler.update()
-    assert not scaler.last_step_skipped
-    alone = ampscaler.GradScaler("cpu")
-    alone.scale(torch.ones(()))
-    with pytest.raises(RuntimeError, match="none of its parameters has a gradient"):
-        alone.step(idle)
+    """torch's error, at torch's place: a non-fused optimizer in step(), a fused one (whose
+    step torch lets through, with nothing to update) in update(). A rank without gradients
+    beside ranks with them takes part with a clean flag (tests/test_rank_faults.py)."""
+    param = torch.nn.Parameter(torch.ones(2))
+    idle = torch.optim.Adam([param], fused=True) if fused else torch.optim.SGD([param], lr=0.1)
+    for group in (world_of_one, None):
+        scaler = ampscaler.GradScaler("cpu", process_group=group)
+        scaler.scale(torch.ones(()))
+        with pytest.raises(AssertionError, match="No inf checks were recorded") as raised:
+            scaler.step(idle)
+            scaler.update()
+        assert isinstance(raised.value, ampscaler.ScalerUsageError)
 
 
 def test_a_scaler_with_a_group_deep_copies_but_refuses_to_pickle(

@@ -58,7 +58,9 @@ def visits(call: Callable[[], object]) -> Counter[str]:
 def _steps(fused: bool, group: dist.ProcessGroup | None) -> list[Counter[str]]:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
-    scaler = ampscaler.GradScaler("cpu", process_group=group)
+    # Without a group, none is passed: an explicit None given before init_process_group()
+    # makes the first step look once whether the process turned out to be one of several.
+    scaler = ampscaler.GradScaler("cpu", **({} if group is None else {"process_group": group}))
     counted = []
     for poison in (False, True, False):
         scaler.scale(model(torch.ones(1, 4)).sum()).backward()

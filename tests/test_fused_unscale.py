@@ -54,9 +54,12 @@ def _train(
     scaler_kwargs: dict[str, Any] | None = None,
     between: Callable[[Any, int], None] | None = None,
     read_scale: bool = True,
+    before: dict[str, Callable[[Any, int], None]] | None = None,
 ) -> tuple[list[torch.Tensor], Routes]:
     """Train a tiny model; return parameters, optimizer state, gradients (after clean steps)
-    and, with ``read_scale``, the scale after each step; and the route of each step."""
+    and, with ``read_scale``, the scale after each step; and the route of each step.
+    ``between(scaler, step)`` runs after each iteration, ``before["step"]`` and
+    ``before["update"]`` before those calls."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     model.to(dtype)
@@ -72,7 +75,9 @@ def _train(
         scaler.scale(loss).backward()
         if step in overflow_at:
             model[0].weight.grad[0, 0] = float("inf")
+        (before or {}).get("step", lambda scaler, step: None)(scaler, step)
         scaler.step(opt)
+        (before or {}).get("update", lambda scaler, step: None)(scaler, step)
         scaler.update()
         trace += [p.detach().clone() for p in model.parameters()]
         trace += [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
@@ -139,6 +144,31 @@ def test_the_route_follows_scales_set_by_hand() -> None:
     theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], between=set_scale)
     _assert_same(ours, theirs)
     assert routes == ["check"] * 4 + ["kernel"] * 4 + ["check"] * 2 + ["kernel"] * 2
+
+
+def _write_scale(at: dict[int, float]) -> Callable[[Any, int], None]:
+    def write(scaler: Any, step: int) -> None:
+        if step in at:
+            scaler._scale.fill_(at[step])  # torch's private tensor, written in place
+
+    return write
+
+
+@pytest.mark.parametrize("when", ["between iterations", "before step", "before update"])
+def test_a_scale_written_through_torchs_private_tensor_leaves_the_fast_route(when: str) -> None:
+    """A write the scaler did not make is seen without reading the device (the tensor's
+    version counter): torch's route until the value is known again (issue #27; before, the
+    one-pass route went on with 1/3e4 and the parameters drifted 1.5e-8 from torch's)."""
+    write = _write_scale({3: 3.0e4, 7: 2.0**9})
+    kwargs: dict[str, Any] = (
+        {"between": write} if when == "between iterations" else {"before": {when[7:]: write}}
+    )
+    ours, routes = _train(_one_pass, FUSED["adam"], read_scale=False, **kwargs)
+    theirs, _ = _train(torch.amp.GradScaler, FUSED["adam"], read_scale=False, **kwargs)
+    _assert_same(ours, theirs)
+    first = {"between iterations": 4, "before step": 3, "before update": 4}[when]
+    assert routes[:first] == ["check"] * first and routes[first] == "kernel"
+    assert routes[-1] == "check"  # 2**9 seen again (at once: copies land at once on the CPU)
 
 
 def test_a_loaded_checkpoint_sets_the_route() -> None:
@@ -261,21 +291,23 @@ def test_a_scale_backed_off_150_times_stops_at_two_to_the_minus_126_on_the_fast_
     still exact, so the one-pass route stays open and matches the default route's results."""
     kwargs = {"init_scale": 2.0**16, "growth_interval": 1}
     overflow_at = tuple(range(150))
-    ours, routes = _train(
-        _one_pass,
-        FUSED["adam"],
-        steps=162,
-        overflow_at=overflow_at,
-        scaler_kwargs=kwargs,
-        read_scale=False,
-    )
-    default, default_routes = _train(
-        ampscaler.GradScaler,
-        FUSED["adam"],
-        steps=162,
-        overflow_at=overflow_at,
-        scaler_kwargs=kwargs,
-        read_scale=False,
-    )
+    with pytest.warns(ampscaler.ScaleFloorWarning, match="at step 141 the scale is 2"):
+        ours, routes = _train(
+            _one_pass,
+            FUSED["adam"],
+            steps=162,
+            overflow_at=overflow_at,
+            scaler_kwargs=kwargs,
+            read_scale=False,
+        )
+    with pytest.warns(ampscaler.ScaleFloorWarning, match="at step 141 the scale is 2"):
+        default, default_routes = _train(
+            ampscaler.GradScaler,
+            FUSED["adam"],
+            steps=162,
+            overflow_at=overflow_at,
+            scaler_kwargs=kwargs,
+            read_scale=False,
+        )
     _assert_same(ours, default)
     assert routes == ["check"] * 162 and default_routes == ["kernel"] * 162

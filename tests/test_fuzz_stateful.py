@@ -28,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import ampscaler
 from policy_strategies import Setup, setups
 from reference import Reference, f32
+from twins import nan_equal
 
 READY, UNSCALED, STEPPED = "ready", "unscaled", "stepped"
 POISONS = st.sampled_from([float("inf"), float("-inf"), float("nan")])
@@ -128,19 +129,15 @@ class ScalerMachine(RuleBasedStateMachine):
             if p.grad is not None
         )
 
-    def _assert_twins_equal(self, skipped_fused: bool = False) -> None:
-        """Parameters equal; gradients equal, except after a skipped fused step, where ours
-        may hold torch's gradients unscaled (docs/migration.md: the check pass unscaled them
-        on the power-of-two route; torch's kernel never ran), exactly so."""
-        inverse = 1.0 / self.theirs.scaler.get_scale()
-        for mine, other in zip(self.ours.params(), self.theirs.params(), strict=True):
-            assert torch.equal(mine, other)
-            mine_grad, other_grad = mine.grad, other.grad
-            assert (mine_grad is None) == (other_grad is None)
-            if mine_grad is not None:
-                same = torch.equal(mine_grad.nan_to_num(), other_grad.nan_to_num())
-                unscaled = torch.equal(mine_grad, other_grad * inverse)
-                assert same or (skipped_fused and unscaled)
+    def _assert_twins_equal(self) -> None:
+        """Parameters and gradients equal bit for bit, NaN where torch has NaN (a gradient may
+        hold NaN beside finite values), after skipped fused steps too: by default the fused
+        route is torch's."""
+        for index, (mine, other) in enumerate(
+            zip(self.ours.params(), self.theirs.params(), strict=True)
+        ):
+            assert nan_equal(mine.detach(), other.detach()), f"parameter {index}"
+            assert nan_equal(mine.grad, other.grad), f"gradient of parameter {index}"
 
     # ------------------------------------------------------------------ rules
 
@@ -218,7 +215,7 @@ class ScalerMachine(RuleBasedStateMachine):
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         for was_finite, param in zip(finite_before, after, strict=True):
             assert not was_finite or torch.isfinite(param).all()
-        self._assert_twins_equal(skipped_fused=self.flagged[index] and index == 1 and self.fused)
+        self._assert_twins_equal()
 
     @precondition(lambda self: UNSCALED in self.stages or STEPPED in self.stages)
     @rule(
@@ -277,6 +274,7 @@ class ScalerMachine(RuleBasedStateMachine):
     def agrees_with_reference_and_twin(self) -> None:
         if not hasattr(self, "ref"):
             return
+        self._assert_twins_equal()  # after every rule, not only after unscale_ and step
         scaler = self.ours.scaler
         assert scaler.get_scale() == self.theirs.scaler.get_scale()
         # Before the first scale() both report init_scale as given, not yet rounded to float32.

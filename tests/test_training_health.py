@@ -379,11 +379,12 @@ def test_a_scripted_collapse_fires_the_event_once_and_logs_one_warning(
     scaler = ampscaler.GradScaler("cpu")
     alerts: list[CollapseAlert] = []
     scaler.on("collapse", alerts.append)
-    with caplog.at_level(logging.WARNING, logger="ampscaler"):
-        # Healthy for 300 steps, then an overflow every other step.
+    floor = pytest.warns(ampscaler.ScaleFloorWarning, match="at step 582 the scale is 2")
+    with caplog.at_level(logging.WARNING, logger="ampscaler"), floor:
+        # Healthy for 300 steps, then an overflow every other step, down to the scale's floor.
         _train_for(600, scaler, lambda step: step >= 300 and step % 2 == 0)
-    assert len(alerts) == 1  # not again while the collapse goes on
-    alert = alerts[0]
+    assert [a.reasons for a in alerts[1:]] == [("floor",)]  # reaching the floor is news
+    alert = alerts[0]  # the collapse: not again while it goes on
     assert (alert.first_step, alert.last_step) == (300, 399)
     assert alert.reasons == ("scale", "skip_rate") and alert.skip_rate == 0.5
     assert alert.causes == {"gradients": 50}

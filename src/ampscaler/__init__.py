@@ -15,6 +15,7 @@ from .errors import (
     InvalidStateDictError,
     LogFormatError,
     PersistentOverflowError,
+    ScaleFloorWarning,
     ScalerUsageError,
     SinkError,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "PersistentOverflowError",
     "Policy",
     "ProbeResult",
+    "ScaleFloorWarning",
     "ScalePolicy",
     "ScalerStats",
     "ScalerUsageError",

@@ -38,10 +38,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from .arguments import check_skip_limit
 from .errors import InvalidConfigError, InvalidStateDictError
-from .policy import Policy, policy_from_state_dict
-from .policy.base import require_int
+from .policy import LOWEST_SCALE, Policy, float32_value, policy_from_state_dict
+from .policy.base import require_int, require_number
 from .policy.scale import INT32_MAX
 from .state import INT64_MAX, HostState, ScalerStats
 
@@ -97,12 +99,54 @@ def _stats(counts: object) -> ScalerStats:
 def _validated(saved: Mapping[str, Any], current: Policy, current_limit: int | None) -> Loaded:
     policy, own = policy_from_state_dict(saved, current)
     limit = check_skip_limit(saved.get("max_consecutive_skips", current_limit))
-    scale = policy.check_scale("scale", saved["scale"])
+    scale = _saved_scale(policy, saved["scale"])
     tracker = require_int(
         "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
     )
     stats = _stats(saved.get("stats", {}))
-    return Loaded(policy, limit, HostState(scale, tracker, own, stats))
+    host = HostState(scale, tracker, own, stats)
+    _trial_state(policy, host)
+    return Loaded(policy, limit, host)
+
+
+def _saved_scale(policy: Policy, value: object) -> float:
+    """The saved scale, validated by ``policy``; a scale of 0 or below ``2**-126`` (what
+    torch's scaler saves after a collapse) is refused with what to do.
+
+    Raises:
+        InvalidConfigError: the scale is invalid.
+    """
+    number = float32_value(require_number("scale", value))
+    try:
+        return policy.check_scale("scale", value)
+    except InvalidConfigError as error:
+        if not 0.0 <= number < LOWEST_SCALE:
+            raise
+        raise InvalidConfigError(
+            f"{error} torch's scaler saves such a scale after some 150 backoffs in a row (a "
+            "collapsed run: its parameters are probably inf/NaN by now, since unscaling at "
+            "such a scale turns finite gradients into inf/NaN). Load a checkpoint from before "
+            "the collapse, or, to go on from this one, set its scale first "
+            "(state_dict['scale'] = 65536.0)."
+        ) from None
+
+
+def _trial_state(policy: Policy, host: HostState) -> None:
+    """Make ``policy``'s state tensors from ``host`` on the CPU, as loading will make them on
+    the device, so that a value they cannot hold (an own value beyond its tensor's dtype, say,
+    from a policy whose ``own_values`` checks less than its ``initial_state`` needs) is refused
+    before anything changes.
+
+    Raises:
+        InvalidConfigError: naming the policy and torch's complaint.
+    """
+    try:
+        policy.initial_state(host.scale, torch.device("cpu"), host.values())
+    except (RuntimeError, ValueError, TypeError, OverflowError) as error:
+        raise InvalidConfigError(
+            f"the saved state does not fit {policy.kind}'s state tensors ({error}); "
+            f"saved values: {dict(host.values())!r:.200}."
+        ) from error
 
 
 def from_state_dict(saved: object, current: Policy, current_limit: int | None) -> Loaded:

@@ -13,18 +13,33 @@ tensor-parallel group and then over its data-parallel group, every rank of the g
 max over the whole grid, with one collective per group and no group that spans the union.
 Groups contained in another given group add nothing and are dropped, as are repeats.
 
-The collectives, in the order every rank issues them:
+The collectives, in the order every rank issues them. Which ones a rank makes never depends on
+its own state, only on what every rank reads from the same reduction, so a fault on one rank
+becomes the same error on every rank instead of a hang until the group's timeout:
 
-* at the first step, and at the first step after ``load_state_dict``: one gather of the
-  scaler's settings and state per group, so that ranks configured or restored differently
-  stop with an error naming the ranks and the differences instead of diverging;
-* per optimizer per iteration: one ``all_reduce(MAX)`` per group (the last one asynchronous) of
-  two flags, whether the gradients held inf/NaN and whether a loss was already inf/NaN before
-  scaling, started as soon as the gradients are checked and waited on only where the step
-  decision needs it; so every rank knows the skip's cause (``loss`` if a loss was non-finite on
-  any rank, else ``gradients``) and decides alike on it;
+* per optimizer per iteration: one ``all_reduce(MAX)`` per group (the last one asynchronous)
+  of a small float tensor, the *verdict*: the optimizer's inf flag, whether a loss of the
+  iteration was already inf/NaN before scaling (so every rank knows the skip's cause, ``loss``
+  if a loss was non-finite on any rank, else ``gradients``, and decides alike on it), whether
+  this rank held any of its gradients, and a fingerprint ``f`` as ``(f, -f)``, so that the
+  maximum shows whether every rank had the same. The fingerprint hashes the scaler's settings
+  (as of the first step and of each load), its live state tensors (scale, growth tracker and
+  the policy's own, as they are at this step) and how often ``load_state_dict()`` was called.
+  Started as soon as the gradients are checked, waited on only where the step decision needs
+  it;
+* when the fingerprints differed (a rank loaded another checkpoint, or loaded when the others
+  did not, or was configured or moved differently): one gather of the settings per group, to
+  name the differences in the :class:`~ampscaler.InvalidConfigError` every rank then raises.
+  The step is skipped on every rank: non-fused optimizers raise in that ``step()`` (which reads
+  its verdict anyway); fused ones, whose kernel gets the verdict without a read, raise at the
+  next check of an optimizer (waiting for a copy of the verdict that has long landed);
 * per skipped optimizer step only (plain optimizers): one gather of the local flags per group,
   to name the ranks the overflow came from (and the micro-batch of a non-finite loss).
+
+An optimizer that holds gradients on no rank of the groups is refused as torch's
+``GradScaler`` refuses it, on every rank: a non-fused one in ``step()``, a fused one in
+``update()``; with ``refuse_unchecked=False`` (torch's ``ShardedGradScaler``, which gives such
+an optimizer a clean flag) it is stepped as a clean one.
 
 Every rank must therefore call the scaler's methods in the same order, as training loops do.
 
@@ -36,29 +51,49 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
     >>> agreement = RankAgreement(dist.group.WORLD)
     >>> agreed = agreement.launch(torch.tensor(1.0))   # starts the all_reduce
     >>> agreement.settle()                             # waits for it
-    >>> agreed.item(), agreement.origins(torch.tensor([1.0, 0.0])).gradient_ranks
+    >>> agreed.item(), agreement.origins((torch.tensor(1.0), None)).gradient_ranks
     (1.0, (0,))
     >>> dist.destroy_process_group()
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .errors import InvalidConfigError
-from .hostcopy import read_values
+from .errors import InvalidConfigError, ScalerUsageError, warn_at_caller
+from .hostcopy import HostCopy, read_values
 
-__all__ = ["GroupSpec", "Origins", "RankAgreement", "SettingValue", "refuse_alone"]
+__all__ = [
+    "NO_GROUP",
+    "GroupSpec",
+    "Origins",
+    "RankAgreement",
+    "SettingValue",
+    "agreement_for",
+    "refuse_alone",
+]
 
 GroupSpec = dist.ProcessGroup | Sequence[dist.ProcessGroup]
 """What ``process_group=`` takes: one group, or several whose union must agree."""
 
 SettingValue = float | int | bool | str | None | torch.Tensor
-"""A setting compared across ranks: a Python number or string, ``None``, or a 0-dim tensor."""
+"""A setting compared across ranks: a Python number or string, ``None``, or a tensor of the
+live state (compared value by value; named in messages by its sum when it has several)."""
+
+#: The name under which ranks compare how often they loaded a checkpoint.
+LOADS = "load_state_dict() calls"
+
+#: Fingerprints are taken modulo this prime (the largest below 2**24): float32 holds them exactly.
+_PRIME = 16777213
+
+#: The slots of a verdict: the inf flag, the loss flag, whether the rank held gradients, the
+#: fingerprint and its negation (the max of the negation is minus the smallest fingerprint).
+_FLAG, _LOSS, _HELD, _PRINT, _NEG_PRINT = range(5)
 
 
 class Origins(NamedTuple):
@@ -88,6 +123,56 @@ def refuse_alone(reason: str) -> None:
             f"{reason} Pass process_group= (torch.distributed.group.WORLD with DDP) so that the "
             "ranks agree, as they agree on overflow."
         )
+
+
+class _NoGroup:
+    """The default of ``process_group=``: no agreement. Told apart from an explicit ``None``,
+    which is also what ``torch.distributed.group.WORLD`` is before ``init_process_group()``."""
+
+    def __repr__(self) -> str:
+        return "None"
+
+
+#: ``process_group``'s default (shown as ``None``): the ranks do not agree.
+NO_GROUP: Any = _NoGroup()
+
+
+def agreement_for(
+    process_group: GroupSpec | None, refuse_unchecked: bool = True
+) -> tuple[RankAgreement | None, bool]:
+    """The agreement ``process_group=`` asks for (``None`` for none; ``refuse_unchecked``: see
+    :class:`RankAgreement`), and whether to look at the first step for the likely mistake of
+    an explicit ``None`` given before torch.distributed was initialized (see
+    :func:`warn_if_world_came_later`).
+
+    Raises:
+        InvalidConfigError: see :class:`RankAgreement`.
+    """
+    if process_group is NO_GROUP:
+        return None, False
+    if process_group is None:
+        return None, dist.is_available() and not dist.is_initialized()
+    return RankAgreement(process_group, refuse_unchecked), False
+
+
+def warn_if_world_came_later() -> None:
+    """At the first step of a scaler given ``process_group=None`` before torch.distributed was
+    initialized: if it is initialized now with several ranks, the ``None`` was most likely
+    ``torch.distributed.group.WORLD`` read too early, and the ranks do not agree; say so (a
+    :class:`UserWarning`). Nothing when this process is alone."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    warn_at_caller(
+        f"This GradScaler was given process_group=None before torch.distributed was "
+        f"initialized, and this process is now rank {dist.get_rank()} of "
+        f"{dist.get_world_size()}: the ranks do not agree on overflow (with sharded gradients "
+        "-- FSDP, ZeRO, tensor or pipeline parallelism -- their scales and parameters drift "
+        "apart). If the None was torch.distributed.group.WORLD, which is None until "
+        "init_process_group(), construct the scaler after init_process_group(), or use "
+        "ampscaler.ShardedGradScaler, which looks the default group up at its first scale(). "
+        "With DDP no agreement is needed: leave process_group out.",
+        UserWarning,
+    )
 
 
 def _require_group(group: object) -> dist.ProcessGroup:
@@ -163,13 +248,18 @@ def _distinct_groups(spec: object) -> tuple[dist.ProcessGroup, ...]:
 class RankAgreement:
     """Makes the ranks of ``groups`` agree on each step's inf/NaN verdict.
 
-    ``launch`` starts a max-reduction of a rank's local flag and returns the tensor that will
-    hold the agreed flag; ``settle`` waits for every reduction launched so far (with NCCL the
-    wait is a stream dependency, not a host sync). ``check_settings`` (at the first step) and
-    ``origins`` (on skipped steps) read from the device: host syncs.
+    ``agree`` starts the max-reduction of one optimizer's verdict (module docstring) and returns
+    the tensor that will hold the agreed flag; ``settle`` waits for every reduction launched so
+    far (with NCCL the wait is a stream dependency, not a host sync) and skips, on the device,
+    every step whose fingerprints differed. ``decide`` (non-fused steps), ``check_settings``
+    (after differing fingerprints) and ``origins`` (on skipped steps) read from the device: host
+    syncs.
 
     Args:
         groups: one process group, or several (see the module docstring).
+        refuse_unchecked: refuse an optimizer none of whose gradients any rank held, as
+            torch's ``GradScaler`` refuses it (``False``: step it as clean, as torch's
+            ``ShardedGradScaler`` does).
 
     Raises:
         InvalidConfigError: (a ``ValueError``, as torch raises for an uninitialized default
@@ -177,10 +267,20 @@ class RankAgreement:
             process group, a destroyed group, or a group this rank is not a member of.
     """
 
-    def __init__(self, groups: GroupSpec) -> None:
+    def __init__(self, groups: GroupSpec, refuse_unchecked: bool = True) -> None:
         self._groups = _distinct_groups(groups)
+        self._refuse_unchecked = refuse_unchecked
         self._pending: list[dist.Work] = []
-        self.checked = False
+        self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
+        self._settings: Callable[[], Mapping[str, SettingValue]] | None = None
+        self._verdicts: list[torch.Tensor] = []  # launched, not yet settled
+        # Whether a verdict settled since the last check had differing fingerprints (a bool on
+        # the device), and the same on its way to the host (for the check at the next agree()).
+        self._mismatch: torch.Tensor | None = None
+        self._landing: HostCopy | None = None
+        # The settings and state tensors the verdicts fingerprint: taken at the first verdict
+        # and after each load (the tensors are the live ones, read at every verdict).
+        self._compared: _Compared | None = None
 
     @property
     def groups(self) -> tuple[dist.ProcessGroup, ...]:
@@ -205,9 +305,9 @@ class RankAgreement:
         """Stop every rank, naming the differences and the ranks, if the ranks' ``settings``
         differ.
 
-        Every rank of the groups must call this at the same point (the scaler does it at the
-        first step, and again at the first step after a checkpoint is loaded). Tensor values
-        are read from their device; one host sync, and one gather per group.
+        Every rank of the groups must call this at the same point (the scaler does it on every
+        rank when the fingerprints in a verdict differed). Tensor values are read from their
+        device; one host sync, and one gather per group.
 
         Raises:
             InvalidConfigError: naming each differing setting and its value on every rank.
@@ -227,7 +327,6 @@ class RankAgreement:
                 "the same arguments on every rank, and load the same state_dict on every rank "
                 "or on none."
             )
-        self.checked = True
 
     @staticmethod
     def _describe(name: str, local: SettingValue, column: dict[int, float | str | None]) -> str:
@@ -255,46 +354,64 @@ class RankAgreement:
         loss_nonfinite: torch.Tensor | None,
         device: torch.device,
         settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start agreeing on one optimizer's inf flag from the check and on the iteration's
-        loss flag (``None``: this rank held no gradients, or kept no loss, and takes part
-        with a zero flag).
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Start agreeing on one optimizer's inf flag from the check (``None``: this rank held
+        none of its gradients, and takes part with a clean flag) and on the iteration's loss
+        flag (``None``: no loss kept; a clean flag).
 
-        Returns ``(local, agreed)``: this rank's two flags on ``device`` (a 1-dim float32
-        tensor: ``[found_inf, loss_nonfinite]``), and the tensor that holds the groups' two
-        verdicts once :meth:`settle` has returned. The first call (and the first after
-        :meth:`recheck`) compares the ranks' ``settings()`` (a host sync).
+        Returns ``(local, agreed)``: ``found_inf`` as given, and the tensor that holds the
+        groups' two verdicts, ``[found_inf, loss_nonfinite]``, once :meth:`settle` has
+        returned. The verdict carries a fingerprint of
+        ``settings()`` (the configuration and the live state) and of the checkpoint loads, so
+        that ranks that differ are found in this reduction (module docstring). First, if an
+        earlier verdict found differing fingerprints that no ``decide()`` has read yet, waits
+        for its copy (long landed, normally) and raises on every rank.
+
+        Raises:
+            InvalidConfigError: an earlier verdict's fingerprints differed (every rank raises).
         """
-        if not self.checked:
-            self.check_settings(settings())
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        flags = [
-            zero if flag is None else flag.to(device, torch.float32).reshape(())
-            for flag in (found_inf, loss_nonfinite)
-        ]
-        local = torch.stack(flags)
-        return local, self.launch(local)
+        self._settings = settings
+        self._check_landed()
+        if self._compared is None:  # the first time, and after a load
+            self._compared = _Compared(settings(), self._loads)
+        no, yes = self._compared.constants(device)
+        flag = no if found_inf is None else found_inf.to(torch.float32)
+        loss = no if loss_nonfinite is None else loss_nonfinite.to(device, torch.float32)
+        held = no if found_inf is None else yes
+        fingerprint = self._compared.fingerprint(device)
+        verdict = torch.stack([flag, loss.reshape(()), held, fingerprint, -fingerprint])
+        self._reduce_max(verdict)
+        self._verdicts.append(verdict)
+        return found_inf, verdict[_FLAG : _LOSS + 1]
 
-    def recheck(self) -> None:
-        """Compare the settings and state again at the next step (after a checkpoint load)."""
-        self.checked = False
+    def note_load(self) -> None:
+        """A checkpoint was loaded on this rank: the ranks compare what they hold at the next
+        verdict (the count is part of the fingerprint, so a rank that loaded while the others
+        did not is found even when it loaded what they hold)."""
+        self._loads += 1
+        self._compared = None  # the settings, and maybe the state tensors, are new
 
     def launch(self, local_flag: torch.Tensor) -> torch.Tensor:
-        """Start max-reducing ``local_flag`` (float, any shape) over the groups; return the
-        result tensor.
+        """Start max-reducing ``local_flag`` (0-dim float) over the groups; return the result
+        tensor.
 
         ``local_flag`` itself is left unchanged. The returned tensor holds the agreed flag once
         :meth:`settle` has returned. With several groups, the reductions before the last are
         waited for in order (with NCCL a stream dependency). No host sync with NCCL.
         """
         agreed = local_flag.clone()
+        self._reduce_max(agreed)
+        return agreed
+
+    def _reduce_max(self, tensor: torch.Tensor) -> None:
+        """Start max-reducing ``tensor`` in place over the groups (the last reduction is
+        waited for by :meth:`settle`)."""
         *first, last = self._groups
         for group in first:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=last, async_op=True)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=last, async_op=True)
         assert work is not None
         self._pending.append(work)
-        return agreed
 
     def sum_(self, values: torch.Tensor) -> int:
         """Sum ``values`` in place over the groups, one after the other (for groups forming a
@@ -306,33 +423,87 @@ class RankAgreement:
         return ranks
 
     def settle(self) -> None:
-        """Wait for every reduction launched so far.
+        """Wait for every reduction launched so far; a verdict whose fingerprints differed
+        skips its step (its flag set on the device) and is kept for the check.
 
         With gloo (CPU) this blocks the host until the reductions are done; with NCCL it only
-        makes the current stream wait for them.
+        makes the current stream wait for them. No host sync.
         """
+        settled = self._settle()
+        for verdict in settled:
+            self._fold(verdict)
+        if settled:  # what was found starts on its way to the next agree()'s check
+            assert self._mismatch is not None
+            self._landing = HostCopy(self._mismatch, 0)
+
+    def _settle(self) -> list[torch.Tensor]:
+        """Wait for every reduction launched so far; the verdicts that settled."""
         for work in self._pending:
             work.wait()
         self._pending.clear()
+        settled, self._verdicts = self._verdicts, []
+        return settled
+
+    def _fold(self, verdict: torch.Tensor) -> None:
+        """A verdict nobody reads now (its kernel takes the flag): if its fingerprints differ,
+        set its flag on the device (the step is skipped) and keep that for the check."""
+        differ = verdict[_PRINT] + verdict[_NEG_PRINT] != 0  # max != min
+        verdict[_FLAG].masked_fill_(differ, 1.0)
+        self._mismatch = differ if self._mismatch is None else self._mismatch | differ
 
     def decide(
         self,
-        local_flags: torch.Tensor | None,
+        local_flags: tuple[torch.Tensor | None, torch.Tensor | None],
         agreed: torch.Tensor,
-        micro_batch: Callable[[], int | None],
+        spike: torch.Tensor | None = None,
+        micro_batch: Callable[[], int | None] = lambda: None,
     ) -> tuple[bool, Origins]:
-        """Wait for the groups' verdict and read it (a host sync): whether every rank skips,
-        and then where the trouble came from (:meth:`origins`, a collective every rank makes,
-        as all of them skip together)."""
-        self.settle()
-        if not bool(agreed.item()):
+        """Wait for the groups' verdict on a non-fused optimizer and read it (one host sync):
+        whether every rank skips (for the agreed inf/NaN flag ``agreed``, or a guard's
+        ``spike``), and then where the trouble came from (:meth:`origins` of this rank's
+        ``local_flags`` and ``micro_batch()``, a collective every rank makes, as all of them
+        skip together).
+
+        Raises:
+            InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
+                gather naming the differences).
+            ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
+                without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
+        """
+        mine = _verdict_of(agreed)
+        for verdict in self._settle():  # this one is read here; others' kernels take theirs
+            if verdict is not mine:
+                self._fold(verdict)
+        skip = agreed if spike is None else torch.maximum(agreed, spike)
+        earlier = [] if self._mismatch is None else [self._mismatch]
+        read = read_values([mine, skip, *earlier])
+        self._mismatch = self._landing = None
+        verdict, skipped = read[0], read[1]
+        if verdict[_PRINT] != -verdict[_NEG_PRINT] or any(read[2:]):
+            self._stop()
+        if self._refuse_unchecked and verdict[_HELD] <= 0:
+            raise ScalerUsageError(NO_GRADIENTS)
+        if not skipped:
             return False, Origins()
-        assert local_flags is not None  # set with the agreed flag
         return True, self.origins(local_flags, micro_batch())
 
-    def origins(self, local_flags: torch.Tensor, micro_batch: int | None = None) -> Origins:
-        """The ranks whose own flags (``[found_inf, loss_nonfinite]``, as :meth:`agree` made
-        them) were set, and the micro-batch of the first non-finite loss: gathered from every
+    def unchecked(self, agreed: torch.Tensor) -> bool:
+        """Whether the optimizer whose verdict is ``agreed`` is to be treated as unchecked (as
+        torch's ``GradScaler`` treats an optimizer without gradients): no rank of the groups
+        held any of its gradients, and this agreement refuses such optimizers. A host sync
+        when it does: ask only on a rank that held none of them itself."""
+        if not self._refuse_unchecked:
+            return False
+        self.settle()
+        return float(_verdict_of(agreed)[_HELD].item()) <= 0
+
+    def origins(
+        self,
+        local_flags: tuple[torch.Tensor | None, torch.Tensor | None],
+        micro_batch: int | None = None,
+    ) -> Origins:
+        """The ranks whose own flags (``(found_inf, loss_nonfinite)``, ``None`` for a clean
+        one) were set, and the micro-batch of the first non-finite loss: gathered from every
         rank (a host sync, and one gather per group).
 
         Every rank of the groups must call this at the same point: the scaler does it on
@@ -341,11 +512,13 @@ class RankAgreement:
         Example:
             >>> import torch, torch.distributed as dist
             >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            >>> RankAgreement(dist.group.WORLD).origins(torch.tensor([0.0, 1.0]), 2)
+            >>> RankAgreement(dist.group.WORLD).origins((None, torch.tensor(1.0)), 2)
             Origins(gradient_ranks=(), loss_ranks=(0,), micro_batch=2)
             >>> dist.destroy_process_group()
         """
-        found, loss = read_values([local_flags.detach().float()])[0]
+        present = [flag.detach().float().reshape(()) for flag in local_flags if flag is not None]
+        values = iter(read_values(present))
+        found, loss = (0.0 if flag is None else next(values) for flag in local_flags)
         table = self._gather((found, loss, micro_batch))
         ranks = sorted(table)
         loss_ranks = tuple(rank for rank in ranks if table[rank][1] > 0)
@@ -355,10 +528,39 @@ class RankAgreement:
             micro_batch=table[loss_ranks[0]][2] if loss_ranks else None,
         )
 
+    def _check_landed(self) -> None:
+        """Raise on every rank if a verdict settled since the last check had differing
+        fingerprints (waiting for its copy, which has normally landed long ago)."""
+        landing = self._landing
+        if landing is None:
+            return
+        self._mismatch = self._landing = None
+        if landing.wait():
+            self._stop()
+
+    def _stop(self) -> None:
+        """Every rank found differing fingerprints in the same verdict: compare the settings
+        (one gather per group) and raise, naming the differences.
+
+        Raises:
+            InvalidConfigError: always.
+        """
+        assert self._settings is not None
+        self.check_settings({**self._settings(), LOADS: self._loads})
+        raise InvalidConfigError(
+            "GradScaler settings or state differed across the ranks of process_group at the "
+            "last step (a rank loaded a state_dict, called update(new_scale) or a setter, or "
+            "wrote the scale, where the others did not), though they agree again now; every "
+            "rank skipped that step. Load the same state_dict on every rank or on none, and "
+            "make the same calls on every rank."
+        )
+
     def __deepcopy__(self, memo: dict[int, Any]) -> RankAgreement:
         # Process groups cannot be copied: a copied scaler agrees over the same groups.
         twin = RankAgreement.__new__(RankAgreement)
-        twin.__dict__.update(self.__dict__, _pending=[])
+        twin.__dict__.update(
+            self.__dict__, _pending=[], _verdicts=[], _mismatch=None, _landing=None, _compared=None
+        )
         return twin
 
     def __getstate__(self) -> dict[str, Any]:
@@ -369,15 +571,90 @@ class RankAgreement:
         )
 
 
+NO_GRADIENTS = (
+    "No inf checks were recorded for this optimizer: none of its parameters has a gradient on "
+    "any rank of process_group. Call scaler.scale(loss).backward() on a loss that depends on "
+    "the optimizer's parameters before scaler.step(optimizer)."
+)
+
+
+def _verdict_of(agreed: torch.Tensor) -> torch.Tensor:
+    """The verdict agreed flags from :meth:`RankAgreement.agree` are slots of (the flags are
+    views of it)."""
+    verdict = agreed._base
+    assert verdict is not None and verdict.shape == (5,), "not a flag from agree()"
+    return verdict
+
+
+class _Compared:
+    """What the verdicts fingerprint: the settings (hashed once, with the count of loads) and
+    the live state tensors among them (hashed on their device when they have changed)."""
+
+    def __init__(self, settings: Mapping[str, SettingValue], loads: int) -> None:
+        numbers = _plain_row({k: v for k, v in settings.items() if not isinstance(v, torch.Tensor)})
+        self._code = zlib.crc32(repr((sorted(numbers.items()), loads)).encode()) % _PRIME
+        self._tensors = [v for _, v in sorted(settings.items()) if isinstance(v, torch.Tensor)]
+        # Integer views of the live tensors (the same memory: they see every update).
+        self._words = [_bits(tensor) for tensor in self._tensors]
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._last: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``0.0`` and ``1.0`` on ``device`` (made once: no copy to the device per verdict)."""
+        made = self._made(device)
+        return made[0], made[1]
+
+    def _made(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        made = self._on.get(device)
+        if made is None:
+            words = sum(view.numel() for view in self._words) + 1
+            weights = [pow(1_000_003, i, _PRIME) for i in range(words)]
+            made = self._on[device] = (
+                torch.zeros((), device=device),
+                torch.ones((), device=device),
+                torch.tensor(weights, device=device),
+                torch.tensor([self._code], dtype=torch.int32, device=device),
+            )
+        return made
+
+    def fingerprint(self, device: torch.device) -> torch.Tensor:
+        """A 0-dim float32 in ``[0, 2**24)`` on ``device`` (exact in float32, so a max and a
+        min compare it): five small device operations when a state tensor has changed since
+        the last one (their version counters, read on the host, say so), none otherwise."""
+        versions = None
+        if not torch.compiler.is_compiling():  # traced code does not read version counters
+            versions = tuple(tensor._version for tensor in self._tensors)
+            if self._last is not None and self._last[0] == versions:
+                return self._last[1]
+        _, _, weights, code = self._made(device)
+        words = torch.cat([*self._words, code])  # the state tensors live on ``device``
+        fingerprint = (words * weights).sum().remainder(_PRIME).to(torch.float32)
+        self._last = None if versions is None else (versions, fingerprint)
+        return fingerprint
+
+
+def _bits(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as 32-bit (or narrower) integers, flattened, without a copy: floats'
+    bits reinterpreted, not converted (``-0.0`` and ``0.0`` differ, NaN equals itself)."""
+    flat = value.detach().reshape(-1)
+    return flat.view(_WORDS[flat.element_size()])
+
+
+#: The integer type a tensor's bytes are read as, by element size (8 bytes: two int32 words).
+_WORDS = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
 def _plain_row(settings: Mapping[str, SettingValue]) -> dict[str, float | str | None]:
     """The settings as Python numbers (``None`` and strings stay as they are); the tensors
     among them are read in one host sync."""
     tensors = {name: v for name, v in settings.items() if isinstance(v, torch.Tensor)}
-    read = dict(zip(tensors, read_values(list(tensors.values())), strict=True))
+    flat = [tensor.reshape(-1) if tensor.dim() > 1 else tensor for tensor in tensors.values()]
+    read = dict(zip(tensors, read_values(flat), strict=True)) if tensors else {}
     row: dict[str, float | str | None] = {}
     for name, value in settings.items():
         if name in read:
-            row[name] = float(read[name])
+            number = read[name]
+            row[name] = float(sum(number) if isinstance(number, list) else number)
         elif value is None or isinstance(value, str):
             row[name] = value
         else:

@@ -7,6 +7,9 @@ message says what went wrong and what to do about it.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,8 +20,10 @@ __all__ = [
     "InvalidStateDictError",
     "LogFormatError",
     "PersistentOverflowError",
+    "ScaleFloorWarning",
     "ScalerUsageError",
     "SinkError",
+    "warn_at_caller",
 ]
 
 
@@ -110,6 +115,17 @@ _ADVICE = {
 }
 
 
+class ScaleFloorWarning(RuntimeWarning):
+    """The scale reached its floor, ``2**-126``, where backing off cannot go further.
+
+    Issued once per stay at the floor (see :class:`~ampscaler.CollapseWatch`), before any step
+    runs there on the non-fused path. The message says how many steps in a row were skipped
+    and in how many of them the loss itself was already inf/NaN (then lowering the scale never
+    could help). To stop a run there instead of training on at a scale where float16 gradients
+    underflow: ``warnings.simplefilter("error", ampscaler.ScaleFloorWarning)``.
+    """
+
+
 class SinkError(OSError):
     """A telemetry sink could not open or write its destination (a JSONL path, a log dir).
 
@@ -119,3 +135,17 @@ class SinkError(OSError):
 
 class LogFormatError(ValueError):
     """A step log that ampscaler cannot read: empty, or not written by ampscaler."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """Warn, pointing at the innermost caller outside ampscaler (the training loop's line),
+    whichever of the scaler's calls found it."""
+    frame = sys._getframe(1)  # the caller: warnings.warn's stacklevel 2
+    level = 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

@@ -374,8 +374,10 @@ class GuardSet:
         the function that restores it (nothing changes before it is called, so a scaler can
         validate all of a checkpoint before it loads any of it).
 
-        A checkpoint with more guards than this scaler has warns when restored (their state
-        is dropped); guards this scaler has beyond the checkpoint's start their warm-up.
+        A checkpoint with more guards than this scaler has warns here, before anything changes
+        (their state would be dropped; a warnings filter that turns the warning into an error
+        leaves the scaler as it was); guards this scaler has beyond the checkpoint's start
+        their warm-up.
 
         Raises:
             InvalidStateDictError: ``text`` is not such a JSON list, or a guard's state does not
@@ -397,16 +399,17 @@ class GuardSet:
                 trial(state)  # on a copy: raises if the state does not fit the guard
                 loads.append((load, state))
         dropped = len(states) - len(self._guards)
+        if dropped > 0:
+            kinds = ", ".join(str(state.get("kind")) for state in states[len(self._guards) :])
+            warnings.warn(
+                f"The checkpoint holds the state of {len(states)} guard(s), this scaler has "
+                f"{len(self._guards)}: the state of the other {dropped} ({kinds}) is dropped. "
+                "Add the same guards, in the same order, before load_state_dict() to keep it.",
+                UserWarning,
+                stacklevel=3,
+            )
 
         def restore() -> None:
-            if dropped > 0:
-                warnings.warn(
-                    f"The checkpoint holds the state of {len(states)} guard(s), this scaler has "
-                    f"{len(self._guards)}: the state of the other {dropped} is dropped. Add the "
-                    "same guards before load_state_dict() to keep it.",
-                    UserWarning,
-                    stacklevel=3,
-                )
             for load, state in loads:
                 load(state)
 

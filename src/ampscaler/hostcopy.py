@@ -46,6 +46,14 @@ class HostCopy:
         """Whether the values are on the host (never waits)."""
         return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
 
+    def wait(self) -> Any:
+        """The values as Python numbers, blocking until they are on the host: on CUDA until the
+        copy's event has fired (the work queued before the copy, not everything queued since);
+        at once on the CPU."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self.tolist()
+
     def tolist(self) -> Any:
         """The values as Python numbers (a number for a 0-dim tensor); call once landed."""
         return self._value.tolist()

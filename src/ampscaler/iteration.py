@@ -145,7 +145,8 @@ class OptimizerRecord:
     # The checked flag on the scale's device (agreed across ranks with a process group);
     # None before the check, or when the optimizer held no gradient.
     found_inf: torch.Tensor | None = None
-    local_found_inf: torch.Tensor | None = None  # this rank's own flag, before agreement
+    # This rank's own flag, before agreement (None: this rank held none of the gradients).
+    local_found_inf: torch.Tensor | None = None
     # The guards' verdict (0-dim float, > 0: skip although finite); None without guards.
     spike: torch.Tensor | None = None
     # found_inf > 0, when unscale_() already read it (None: not read yet).

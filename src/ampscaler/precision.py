@@ -26,12 +26,11 @@ Example:
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections import deque
 
 import torch
+
+from .errors import warn_at_caller
 
 __all__ = ["BF16_MESSAGE", "Bfloat16Watch"]
 
@@ -43,18 +42,6 @@ BF16_MESSAGE = (
 #: How many nodes of the first loss's backward graph are looked at for bfloat16 tensors: autocast
 #: casts to it near the loss, so a few suffice; the bound keeps one look at a large model short.
 GRAPH_NODES = 256
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame
-    outside ampscaler (the user's call)."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 def bfloat16_in_graph(loss: torch.Tensor) -> bool:
@@ -126,4 +113,4 @@ class Bfloat16Watch:
 
     def _warn(self, what: str) -> None:
         self.active = False  # once is enough
-        warnings.warn(BF16_MESSAGE.format(what=what), UserWarning, stacklevel=_user_stacklevel())
+        warn_at_caller(BF16_MESSAGE.format(what=what), UserWarning)

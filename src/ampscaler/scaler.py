@@ -37,7 +37,16 @@ from .arguments import (
 )
 from .checkpoint import from_state_dict, to_state_dict
 from .compat import TorchPrivateNames
-from .distributed import GroupSpec, Origins, RankAgreement, SettingValue, refuse_alone
+from .distributed import (
+    NO_GROUP,
+    GroupSpec,
+    Origins,
+    RankAgreement,
+    SettingValue,
+    agreement_for,
+    refuse_alone,
+    warn_if_world_came_later,
+)
 from .errors import PersistentOverflowError, ScalerUsageError
 from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
@@ -177,7 +186,10 @@ class GradScaler(TorchPrivateNames):
         process_group: a ``torch.distributed`` group whose ranks must agree on overflow (FSDP,
             ZeRO, tensor or pipeline parallelism; not needed with DDP), or a list of groups
             whose union must (Megatron's tensor- and data-parallel groups): each optimizer's
-            flag is max-reduced over them before the step decision. One all_reduce per group,
+            flag is max-reduced over them before the step decision. Left out (or ``None``): no
+            agreement; a ``None`` given before ``init_process_group()``, when
+            ``torch.distributed.group.WORLD`` is still ``None``, warns at the first step if this
+            process then turns out to be one of several ranks. One all_reduce per group,
             optimizer and iteration; see :mod:`ampscaler.distributed` and docs/distributed.md.
         flat_grads: an opt-in speed-up for many small gradients: move gradients that stay the
             same tensors from step to step into one flat buffer per device and dtype, so the
@@ -192,14 +204,18 @@ class GradScaler(TorchPrivateNames):
     Raises:
         InvalidConfigError: (a ``ValueError``) for arguments out of range, naming the argument;
             ``policy=`` together with its shorthands; a ``process_group`` while
-            torch.distributed is not initialized, or one this rank is not a member of; at the
-            first step, ranks of ``process_group`` whose settings or scale differ; a
-            ``policy`` that is not a policy object.
+            torch.distributed is not initialized, or one this rank is not a member of; at a
+            step, ranks of ``process_group`` whose settings, scale or loaded checkpoints
+            differ (every rank raises); a ``policy`` that is not a policy object.
     """
 
     #: Whether :meth:`unscale_` accepts float16 gradients (torch's sharded scaler does; a
     #: subclass sets it, see :class:`~ampscaler.ShardedGradScaler`).
     _unscale_allows_fp16: bool = False
+    #: Whether an optimizer with gradients on no rank of ``process_group`` is refused, as
+    #: torch's ``GradScaler`` refuses one without gradients (torch's sharded scaler steps it as
+    #: clean; :class:`~ampscaler.ShardedGradScaler` sets it ``False``).
+    _refuses_unchecked: bool = True
 
     def __init__(
         self,
@@ -215,7 +231,7 @@ class GradScaler(TorchPrivateNames):
         min_scale: float | None = None,
         max_scale: float | None = None,
         max_consecutive_skips: int | None = None,
-        process_group: GroupSpec | None = None,
+        process_group: GroupSpec | None = NO_GROUP,
         flat_grads: bool = False,
         one_pass_fused: bool = False,
     ) -> None:
@@ -231,7 +247,9 @@ class GradScaler(TorchPrivateNames):
         self._planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
-        self._agreement = None if process_group is None else RankAgreement(process_group)
+        self._agreement, self._world_expected = agreement_for(
+            process_group, self._refuses_unchecked
+        )
         self._state = ScalerState(chosen, self._init_scale)
         if self._fused.one_pass:
             self._state.watch_powers_of_two()
@@ -413,6 +431,9 @@ class GradScaler(TorchPrivateNames):
                 found_inf, iteration.local_loss_flag, live.device, self._settings
             )
             found_inf, iteration.loss_nonfinite = agreed[0], agreed[1]
+        elif self._world_expected:  # process_group=None given before init_process_group()
+            self._world_expected = False
+            warn_if_world_came_later()
         record.found_inf = found_inf
         iteration.scale = live.scale
 
@@ -482,15 +503,18 @@ class GradScaler(TorchPrivateNames):
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
-        skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
         origins = None
-        if self._agreement is not None:  # the group's verdict, and where trouble came from
+        if self._agreement is not None:  # the group's verdict (read once settled), its origins
             skipped, origins = self._agreement.decide(
-                record.local_found_inf, skip, self._iteration.first_nonfinite_loss
+                (record.local_found_inf, self._iteration.local_loss_flag),
+                found_inf,
+                record.spike,
+                self._iteration.first_nonfinite_loss,
             )
         elif record.known_overflow is not None and record.spike is None:
             skipped = record.known_overflow  # unscale_() read it
         else:
+            skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
             skipped = bool(skip.item())
         # Only a skipped step with a guard needs to know which flag it was: a second read.
         nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
@@ -524,8 +548,13 @@ class GradScaler(TorchPrivateNames):
             exact = self._fused.one_pass and self._state.exact_reciprocal
             multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
             self._check(groups, record, live, multiplier)
-        if self._agreement is not None:
-            self._agreement.settle()  # the kernel must see the agreed flag
+        agreement = self._agreement
+        if agreement is not None:
+            agreement.settle()  # the kernel must see the agreed flag
+            agreed = record.found_inf  # below: when this rank held none, did any rank?
+            held_none = record.local_found_inf is None
+            if held_none and agreed is not None and agreement.unchecked(agreed):
+                record.found_inf = None  # held by no rank: refused at update(), as in torch
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=live.device)
@@ -915,8 +944,9 @@ class GradScaler(TorchPrivateNames):
         """Load a state saved by this class or by ``torch.amp.GradScaler``.
 
         Everything is validated before anything changes: a rejected dict leaves the scaler as
-        it was. With a ``process_group``, the ranks compare what they loaded at the next step
-        (one gather per group) and stop with an error naming the ranks that differ.
+        it was. With a ``process_group``, the ranks compare what they hold at the next step
+        (in the all_reduce they make anyway): ranks that loaded different checkpoints, or only
+        some of them, stop with an error naming the ranks and what differs, every rank alike.
 
         Like torch, the checkpoint's configuration (factors, interval, and here also the rest
         of the policy and ``max_consecutive_skips`` when present) replaces the constructor's.
@@ -945,13 +975,13 @@ class GradScaler(TorchPrivateNames):
         if restore_guards is not None:
             restore_guards()
         if self._agreement is not None:
-            self._agreement.recheck()  # the ranks compare what they loaded at the next step
+            self._agreement.note_load()  # the ranks compare what they hold at the next step
 
     def _agree_over(self, process_group: GroupSpec) -> None:
         """Agree on overflow over ``process_group`` from the next check on, as if it had been
         given to the constructor (for a subclass whose group is known only once
         torch.distributed is initialized: :class:`~ampscaler.ShardedGradScaler`)."""
-        self._agreement = RankAgreement(process_group)
+        self._agreement = RankAgreement(process_group, self._refuses_unchecked)
         if self._meter is not None:  # measured values are agreed over the group from now on
             self._meter.detach()
             self._meter = self._new_meter(self._state.policy, 0)

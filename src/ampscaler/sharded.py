@@ -28,7 +28,7 @@ Example (one process; real runs start every rank with ``torchrun``)::
     >>> model = torch.nn.Linear(4, 1)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> scaler.scale(model(torch.ones(2, 4)).sum()).backward()   # binds the default group
-    >>> scaler.unscale_(opt)                                     # one all_reduce of the flag
+    >>> scaler.unscale_(opt)                                     # one all_reduce of the verdict
     >>> scaler.step(opt)
     >>> scaler.update()
     >>> scaler.get_scale(), scaler.last_step_skipped
@@ -74,9 +74,9 @@ class ShardedGradScaler(GradScaler):
         scaler.update()
 
     What syncs: as :class:`~ampscaler.GradScaler`, plus the agreement's collectives (one
-    ``all_reduce`` of a flag per optimizer and iteration; at the first step one gather of the
-    settings; on skipped steps one gather naming the ranks that overflowed); see
-    :mod:`ampscaler.distributed`.
+    ``all_reduce`` of a small verdict per optimizer and iteration; on skipped steps one gather
+    naming the ranks that overflowed; when the ranks' settings or state differ, one gather
+    naming the differences before every rank raises); see :mod:`ampscaler.distributed`.
 
     Args:
         device: device type of the scale ("cuda", "cpu", ...), or ``None`` for the device of
@@ -100,6 +100,8 @@ class ShardedGradScaler(GradScaler):
     """
 
     _unscale_allows_fp16 = True
+    # torch's sharded scaler gives an optimizer without gradients on any rank a clean flag
+    _refuses_unchecked = False
 
     def __init__(
         self,

@@ -40,7 +40,7 @@ import torch
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
 from .hostcopy import read_values
-from .policy import Policy, PolicyState, float32_value
+from .policy import LOWEST_SCALE, Policy, PolicyState, float32_value
 
 __all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
 
@@ -259,6 +259,14 @@ def _host_state(
     return HostState(scale, tracker, values, stats)
 
 
+def _keep_lowest_scale(policy: Policy, scale: torch.Tensor) -> None:
+    """Clamp ``scale`` in place at :data:`~ampscaler.policy.LOWEST_SCALE` after an update by a
+    policy that does not keep it there by itself (a policy of one's own; see
+    :attr:`Policy.keeps_lowest_scale <ampscaler.Policy.keeps_lowest_scale>`). No host sync."""
+    if not policy.keeps_lowest_scale:
+        scale.clamp_(min=LOWEST_SCALE)
+
+
 def _supports_float64(device: torch.device) -> bool:
     """Whether ``device`` computes in float64 (MPS and Intel Arc do not: torch raises)."""
     try:
@@ -428,15 +436,14 @@ class ScalerState:
         return _host_state(scale, live.tensors, read[:-1], stats)
 
     def comparable(self) -> dict[str, Any]:
-        """What ranks compare before they agree: the policy's settings and every state tensor
-        (0-dim; a tensor of several values by its sum)."""
+        """What ranks compare: the policy's settings, and every state tensor (the live objects,
+        which later updates change in place)."""
         policy = self._policy
         settings: dict[str, Any] = {**policy.torch_rule()._asdict(), "policy": policy.kind}
         settings.update(policy.settings())
         live = self.live
         if live is not None:
-            for name, tensor in live.tensors._asdict().items():
-                settings[name] = tensor if tensor.dim() == 0 else tensor.sum()
+            settings.update(live.tensors._asdict())
         return settings
 
     # ------------------------------------------------------------------ writes
@@ -455,6 +462,8 @@ class ScalerState:
         does not move where the flag ``loss_nonfinite()`` gives is > 0 (asked for only
         then). Returns a copy of the scale the iteration started from. No host sync."""
         live = self._settled_live()
+        if self._watch is not None:
+            self._watch.before_update()
         old = live.scale.clone()
         policy = self._policy
         flag = (
@@ -470,6 +479,7 @@ class ScalerState:
                     tensor.copy_(torch.where(hold, tensor, value))
         else:
             policy.update_(live.tensors, found_inf, measured)
+        _keep_lowest_scale(policy, live.scale)
         live.counters.record(found_inf, old, spiked)
         self._updated(live.scale)
         return old
@@ -509,14 +519,16 @@ class ScalerState:
         """Overwrite every value with ``host``'s (a loaded checkpoint for ``policy``), keeping
         the tensors (see :meth:`LiveState.replace_tensors`)."""
         self._apply_pending()
+        tensors = None
+        if self._live is not None:  # made first: if the policy refuses the values, nothing changed
+            tensors = policy.initial_state(host.scale, self._live.device, host.values())
         self._policy = self._pending_policy = policy
-        if self._live is None:
+        if self._live is None or tensors is None:
             self._host = host
             return
         if not self._used:
             self._host = HostState(host.scale)
-        device = self._live.device
-        self._live.replace_tensors(policy.initial_state(host.scale, device, host.values()))
+        self._live.replace_tensors(tensors)
         self._live.counters.reset(host.stats)
         if self._watch is not None:
             self._watch.set_policy(policy.power_of_two)
@@ -531,7 +543,7 @@ class ScalerState:
             self._watch = Pow2Watch(self._policy.power_of_two)
             live = self._live
             if live is not None:
-                self._watch.use_device(live.device)
+                self._watch.follow(live.scale)
             self._watch.saw(self.scale_value())
 
     @property
@@ -550,7 +562,7 @@ class ScalerState:
         self._live = LiveState(tensors, host.stats)
         self._pending = (self._nothing(device),)
         if self._watch is not None:
-            self._watch.use_device(device)
+            self._watch.follow(self._live.scale)
             # As held on the host: a power of two here is one in float32 too; a value that only
             # rounds to one counts as unknown, which is safe (torch's route until the next read).
             self._watch.saw(host.scale)
@@ -599,6 +611,7 @@ class ScalerState:
         for tensor, value in zip(live.tensors, moved, strict=True):
             if value is not tensor:
                 tensor.copy_(torch.where(pending, value, tensor))
+        _keep_lowest_scale(policy, live.scale)
         live.counters.count_now(found, old)  # kept iterations would change a compiled guard
         self._pending = (self._nothing(live.device),)
         self._deferred = False

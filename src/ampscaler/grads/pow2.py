@@ -18,11 +18,14 @@ before it does (below ``2**-64``), the watch copies the scale to the host withou
 it (on CUDA: into pinned memory, with an event it polls; on the CPU the value is at hand) and
 renews the bound from that copy once it has landed. So no update ever waits for the device.
 
-The watch assumes the scale changes only through the scaler's methods. Anything it cannot vouch
-for (a policy that may leave the powers of two, see :attr:`Policy.power_of_two
-<ampscaler.Policy.power_of_two>`; a scale set to a value that is not a power of two; a device
-other than the CPU or CUDA) makes it answer ``False``, and the fused path then checks and
-unscales exactly as torch does.
+The watch follows the scale through the scaler's methods. A write from outside them (torch's
+private ``scaler._scale.fill_(...)``, a captured graph's) is seen on the host without reading
+the device: every in-place write bumps the tensor's version counter, so a version the watch did
+not see is a write it did not follow, and nothing is known again until a copy of the scale
+(taken then, without waiting) has landed. Anything it cannot vouch for (a policy that may leave
+the powers of two, see :attr:`Policy.power_of_two <ampscaler.Policy.power_of_two>`; a scale
+set to a value that is not a power of two; a device other than the CPU or CUDA) makes it
+answer ``False``, and the fused path then checks and unscales exactly as torch does.
 
 Example:
     >>> import torch
@@ -70,6 +73,11 @@ class Pow2Watch:
         self._known_at = 0
         self._pending: HostCopy | None = None
         self._forgotten: torch.Tensor | None = None  # the scale, to copy once it is read again
+        # The scale tensor followed (see follow()) and its version as of the last write or read
+        # the watch knows of; the version a pending copy was taken at.
+        self._scale: torch.Tensor | None = None
+        self._version = 0
+        self._pending_version = 0
         self._drop: int | None = None
         self._floor: int | None = None
         self.set_policy(rule)
@@ -77,6 +85,31 @@ class Pow2Watch:
     def use_device(self, device: torch.device) -> None:
         """The scale lives on ``device`` (the watch vouches for the CPU and CUDA only)."""
         self._device_ok = device.type in ("cpu", "cuda")
+
+    def follow(self, scale: torch.Tensor) -> None:
+        """Watch ``scale`` (the live tensor, on its device) for writes from outside the scaler:
+        a version of it the watch did not see makes :attr:`exact` ``False`` until a copy of the
+        scale has landed."""
+        self.use_device(scale.device)
+        self._scale = scale
+        self._version = scale._version
+
+    def before_update(self) -> None:
+        """An ``update()`` is about to move the scale: if something wrote the scale since the
+        watch last knew it, that write is not followed (forget what is known)."""
+        if self._written_outside():
+            assert self._scale is not None
+            self.forget(self._scale)
+
+    def _written_outside(self) -> bool:
+        if self._scale is None:
+            return False
+        # Traced code does not read version counters: there, assume a write (never wrong).
+        return torch.compiler.is_compiling() or self._scale._version != self._version
+
+    def _seen_now(self) -> None:
+        if self._scale is not None and not torch.compiler.is_compiling():
+            self._version = self._scale._version
 
     def set_policy(self, rule: PowerOfTwo | None) -> None:
         """Use the policy whose ``power_of_two`` is ``rule`` for the updates from now on."""
@@ -92,6 +125,7 @@ class Pow2Watch:
         self._known_at = self._updates
         self._pending = None
         self._forgotten = None
+        self._seen_now()
 
     def forget(self, scale: torch.Tensor) -> None:
         """The scale (the tensor ``scale``) moved in a way the watch did not follow (an update
@@ -105,17 +139,22 @@ class Pow2Watch:
     def updated(self, scale: torch.Tensor) -> None:
         """One ``update()`` ran; ``scale`` is the new scale tensor (on the device)."""
         self._updates += 1
+        if self._forgotten is None:  # a write from outside before it: followed by nothing
+            self._seen_now()
         bound = self._bound()
         if bound is not None and bound < RENEW_BELOW and self._pending is None:
-            self._pending = HostCopy(scale, self._updates)  # adopted by `exact` once landed
+            self._copy(scale)  # adopted by `exact` once landed
 
     @property
     def exact(self) -> bool:
         """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now."""
         if not self._device_ok:
             return False
+        if self._written_outside():
+            assert self._scale is not None
+            self.forget(self._scale)
         if self._forgotten is not None:
-            self._pending = HostCopy(self._forgotten, self._updates)
+            self._copy(self._forgotten)
             self._forgotten = None
         self._adopt_landed()
         bound = self._bound()
@@ -128,6 +167,11 @@ class Pow2Watch:
         bound = self._known - self._drop * (self._updates - self._known_at)
         return bound if self._floor is None else max(bound, self._floor)
 
+    def _copy(self, scale: torch.Tensor) -> None:
+        """Start copying ``scale`` to the host without waiting (adopted once landed)."""
+        self._pending = HostCopy(scale, self._updates)
+        self._pending_version = scale._version
+
     def _adopt_landed(self) -> None:
         pending = self._pending
         if pending is not None and pending.landed():
@@ -135,6 +179,8 @@ class Pow2Watch:
             if self._drop is not None:
                 self._known = pow2_exponent(float(pending.tolist()))
                 self._known_at = pending.at
+            if self._scale is not None:  # writes after the copy are still unseen
+                self._version = self._pending_version
 
     def _renew_from_bound(self) -> None:
         # Before the factors change, fold the updates so far into the bound: the new backoff

@@ -17,10 +17,25 @@ names the causes counted so far (``loss`` or ``gradients``, see
 :attr:`OverflowReport.cause <ampscaler.OverflowReport.cause>`) and the parameters seen most
 often in overflow reports. It fires again only after the run has recovered at a later check.
 
+The end of a collapse is the scale's floor, :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``):
+the scaler never goes below it (below it unscaling writes inf/NaN into finite gradients), so
+from there on backing off cannot help, and a finite step at that scale loses nearly every
+float16 gradient to underflow. Reaching it warns at once with a
+:class:`~ampscaler.ScaleFloorWarning` (and calls the ``"collapse"`` callbacks with the reason
+``"floor"``), saying how many steps in a row were skipped and in how many of them the loss
+itself was already inf/NaN, whatever ``log`` says. Non-fused optimizers hear it at the latest
+in the ``step()`` that skips at the floor, which has read its verdict and the scale anyway.
+During a collapse whose scale has fallen below ``2**-64`` the watch looks after every update,
+so every optimizer hears it after the update that reached the floor, before a step runs there
+(on CUDA, once that update's non-blocking copy has landed); otherwise fused optimizers, which
+never wait for their verdict, hear it at the next window's end.
+
 Cost: every ``window`` updates the counters and the scale are copied to the host without
 waiting (on CUDA a non-blocking copy into pinned memory, read once it has landed; on the CPU a
 read of host memory). Nothing is read on the other updates, and nothing under
-``torch.compile``.
+``torch.compile``. During a collapse below ``2**-64`` the copy is taken after every update,
+until the floor is seen. A non-fused step skipped at the floor reads one counter more, with the
+reads that skipped step makes anyway.
 
 Example:
     >>> watch = CollapseWatch(scale_drop=2.0**-8, skip_rate=0.5, window=50)
@@ -40,8 +55,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, ScaleFloorWarning, warn_at_caller
 from ..hostcopy import HostCopy
+from ..policy.base import LOWEST_SCALE
 from .localize import OverflowReport
 
 if TYPE_CHECKING:
@@ -51,18 +67,31 @@ __all__ = ["CollapseAlert", "CollapseWatch", "OverflowTally", "snapshot_of"]
 
 logger = logging.getLogger("ampscaler")
 
+#: Below this scale a collapsing run is looked at after every update, so that reaching the
+#: floor (``2**-126``) is seen at once (a non-blocking copy per update, during a collapse only).
+NEAR_FLOOR = 2.0**-64
+
 
 class OverflowTally:
-    """What the overflow reports of a run said so far: causes and parameters, counted."""
+    """What the overflow reports of a run said so far: causes and parameters, counted, and the
+    latest run of skipped steps whose loss was already inf/NaN."""
 
     def __init__(self) -> None:
         self.causes: Counter[str] = Counter()
         self.parameters: Counter[str] = Counter()
+        #: Reported steps in a row whose loss was inf/NaN, up to the latest report.
+        self.loss_run = 0
+        self._last_step: int | None = None
 
     def add(self, report: OverflowReport) -> None:
         """Count one iteration's report."""
         self.causes[report.cause or "unknown"] += 1
         self.parameters.update(report.names)
+        if report.step != self._last_step:  # several optimizers report the same step
+            consecutive = self._last_step is not None and report.step == self._last_step + 1
+            nonfinite_loss = report.cause == "loss"
+            self.loss_run = (self.loss_run if consecutive else 0) + 1 if nonfinite_loss else 0
+            self._last_step = report.step
 
 
 @dataclass(frozen=True)
@@ -75,9 +104,15 @@ class CollapseAlert:
         scale: the scale at the end of the window.
         max_scale: the largest scale seen at the end of an earlier window.
         skip_rate: the fraction of the window's iterations skipped for inf/NaN.
-        reasons: ``"scale"`` (far below its maximum) and/or ``"skip_rate"``.
+        reasons: ``"scale"`` (far below its maximum) and/or ``"skip_rate"``; or ``"floor"``
+            alone: the scale reached ``2**-126``, where it cannot back off further (then
+            ``first_step`` to ``last_step`` are the steps skipped in a row up to it).
         causes: overflow reports so far by cause (``"loss"``, ``"gradients"``, ``"unknown"``).
         parameters: the parameters seen most often in overflow reports, with their counts.
+        in_a_row: with ``"floor"``: the steps skipped in a row up to ``last_step``.
+        loss_in_a_row: with ``"floor"``: of those, the latest ones whose loss was already
+            inf/NaN before scaling (as far as reports say: non-fused optimizers report every
+            skip; fused ones only when asked).
     """
 
     first_step: int
@@ -88,8 +123,12 @@ class CollapseAlert:
     reasons: tuple[str, ...]
     causes: dict[str, int] = field(default_factory=dict)
     parameters: list[tuple[str, int]] = field(default_factory=list)
+    in_a_row: int = 0
+    loss_in_a_row: int = 0
 
     def __str__(self) -> str:
+        if self.reasons == ("floor",):
+            return self._floor_text()
         found = []
         if "scale" in self.reasons:
             found.append(
@@ -111,6 +150,40 @@ class CollapseAlert:
             f"ampscaler: the loss scale is collapsing at steps {self.first_step}-"
             f"{self.last_step}: {' and '.join(found)}. Overflow causes so far: {causes}; "
             f"parameters seen most often: {named}.{hint}"
+        )
+
+    def _floor_text(self) -> str:
+        if self.in_a_row:
+            skipped = (
+                f"; the last {self.in_a_row} step(s) in a row (steps {self.first_step}-"
+                f"{self.last_step}) were skipped for inf/NaN"
+            )
+        else:
+            skipped = "; the latest step was not skipped"
+        if self.loss_in_a_row and self.loss_in_a_row >= self.in_a_row:
+            loss = (
+                " In all of them the loss itself was already inf/NaN before it was scaled: "
+                "lowering the scale cannot help."
+            )
+        elif self.loss_in_a_row:
+            which = "latest" if self.loss_in_a_row == 1 else f"last {self.loss_in_a_row}"
+            loss = (
+                f" In the {which} of them the loss itself was already inf/NaN before it was "
+                "scaled: lowering the scale cannot help."
+            )
+        else:
+            causes = ", ".join(f"{n} {c}" for c, n in sorted(self.causes.items()))
+            loss = f" Overflow causes so far: {causes}." if causes else ""
+        return (
+            f"ampscaler: at step {self.last_step} the scale is 2**-126, the lowest the scaler "
+            "keeps (float32's smallest normal number: below it unscaling would write inf/NaN "
+            f"into finite gradients){skipped}.{loss} No step was taken with inf/NaN gradients, "
+            "and such steps are still skipped, but a finite step at this scale loses nearly "
+            "every float16 gradient to underflow. Fix the cause (inputs or labels with inf/NaN, "
+            "activations beyond float16's 65504, a learning rate that diverged) and resume from "
+            "a checkpoint taken before the skips began; to stop here, set "
+            "max_consecutive_skips=N (PersistentOverflowError) or turn this warning into an "
+            "error: warnings.simplefilter('error', ampscaler.ScaleFloorWarning)."
         )
 
 
@@ -162,6 +235,9 @@ class CollapseWatch:
         self._max_scale: float | None = None
         self._collapsing = False
         self._logged = False
+        self._at_floor = False  # warned for the scale's current stay at the floor
+        self._window_ended: int | None = None  # the update that ended a window not yet judged
+        self._last_scale = math.inf  # the scale in the latest copy
 
     @property
     def active(self) -> bool:
@@ -169,27 +245,100 @@ class CollapseWatch:
         return self.scale_drop is not None or self.skip_rate is not None
 
     def due(self) -> bool:
-        """Count one update; whether :meth:`look` has work now (a window ended, or a copy is
-        on its way). Cheap: called at every update."""
+        """Count one update; whether :meth:`look` has work now (a window ended; during a
+        collapse, every update until the scale is at its floor; or a copy is on its way).
+        Cheap: called at every update."""
         self._updates += 1
-        return self._pending is not None or (self._updates % self.window == 0 and self.active)
+        if self._updates % self.window == 0:
+            self._window_ended = self._updates
+        return self._pending is not None or (
+            self.active and (self._window_ended is not None or self._nearing_floor)
+        )
+
+    @property
+    def _nearing_floor(self) -> bool:
+        """Whether to look after every update: a collapse is on, the scale last seen was below
+        ``2**-64`` and the floor has not been seen yet."""
+        return self._collapsing and not self._at_floor and self._last_scale < NEAR_FLOOR
 
     def look(
         self,
         snapshot: Callable[[], torch.Tensor],
         tally: OverflowTally,
         callbacks: list[Callable[[CollapseAlert], Any]],
+        latest_cause: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """At the end of a window, start copying ``snapshot()`` (:func:`snapshot_of`) to the
-        host; judge a copy once it has landed (never waits)."""
+        """Start copying ``snapshot()`` (:func:`snapshot_of`) to the host; once a copy has
+        landed (never waits), judge the window that ended before it and check the floor
+        (``latest_cause()``, the latest iteration's cause, is asked only on reaching it: it may
+        read the device)."""
         if self._pending is None:
             self._pending = HostCopy(snapshot(), self._updates)
         pending = self._pending
         if pending.landed():
             self._pending = None
-            steps, skipped, bits = pending.tolist()
-            scale = struct.unpack("<f", struct.pack("<i", bits))[0]
-            self._judge(steps, skipped, scale, tally, callbacks)
+            steps, skipped, in_a_row, bits = pending.tolist()
+            scale = self._last_scale = struct.unpack("<f", struct.pack("<i", bits))[0]
+            if self._window_ended is not None and pending.at >= self._window_ended:
+                self._window_ended = None
+                self._judge(steps, skipped, scale, tally, callbacks)
+            self._check_floor(int(steps) - 1, int(in_a_row), scale, tally, callbacks, latest_cause)
+
+    def note_skip(
+        self,
+        report: OverflowReport,
+        in_a_row: Callable[[], int],
+        tally: OverflowTally,
+        callbacks: list[Callable[[CollapseAlert], Any]],
+    ) -> None:
+        """A step was skipped, known on the host (the non-fused path, whose ``step()`` read its
+        verdict): if it ran at the floor, warn now, before any step runs there.
+        ``in_a_row()`` gives the skipped steps in a row before this one (read only then: a
+        host sync on a skipped step, which syncs anyway); ``tally`` has counted ``report``."""
+        if report.scale > LOWEST_SCALE:
+            self._at_floor = False
+        elif not self._at_floor:
+            cause = report.cause
+            self._check_floor(
+                report.step, in_a_row() + 1, report.scale, tally, callbacks, lambda: cause
+            )
+
+    def _check_floor(
+        self,
+        step: int,
+        in_a_row: int,
+        scale: float,
+        tally: OverflowTally,
+        callbacks: list[Callable[[CollapseAlert], Any]],
+        latest_cause: Callable[[], str | None],
+    ) -> None:
+        """Warn once per stay at the floor (:class:`~ampscaler.ScaleFloorWarning`), and call
+        ``callbacks`` with the alert. How many of the ``in_a_row`` skips came with a non-finite
+        loss: as the reports say, or at least the latest by ``latest_cause()``."""
+        if scale > LOWEST_SCALE:
+            self._at_floor = False
+            return
+        if self._at_floor:
+            return
+        self._at_floor = True
+        loss_in_a_row = min(tally.loss_run, in_a_row)
+        if in_a_row and not loss_in_a_row and latest_cause() == "loss":
+            loss_in_a_row = 1
+        alert = CollapseAlert(
+            first_step=step - in_a_row + 1 if in_a_row else step,
+            last_step=step,
+            scale=scale,
+            max_scale=self._max_scale or scale,
+            skip_rate=1.0 if in_a_row else 0.0,
+            reasons=("floor",),
+            causes=dict(tally.causes),
+            parameters=tally.parameters.most_common(5),
+            in_a_row=in_a_row,
+            loss_in_a_row=loss_in_a_row,
+        )
+        warn_at_caller(str(alert), ScaleFloorWarning)
+        for fn in list(callbacks):
+            fn(alert)
 
     def _judge(
         self,
@@ -252,7 +401,9 @@ def _number(value: object) -> bool:
 
 
 def snapshot_of(counters: StepCounters, scale: torch.Tensor) -> torch.Tensor:
-    """What :meth:`CollapseWatch.look` copies: the steps and skipped counters and the float32
-    scale's bits, as one int64 tensor (exact, and no float64 on the device). No host sync."""
+    """What :meth:`CollapseWatch.look` copies: the steps, skipped and consecutive_skips
+    counters and the float32 scale's bits, as one int64 tensor (exact, and no float64 on the
+    device). No host sync."""
+    values = counters.values
     bits = scale.reshape(1).view(torch.int32).to(torch.int64)
-    return torch.cat([counters.values[:2], bits])
+    return torch.cat([values[:2], values[4:5], bits])

@@ -255,6 +255,14 @@ class Monitor:
             report = self._localize([optimizer], step, scale, events, iteration, origin)
             observed.reports.append(report)
             self.tally.add(report)
+            if counters is not None:  # at the scale's floor: warn now, before a step runs there
+                seen = counters
+                self.collapse.note_skip(
+                    report,
+                    lambda: int(seen.consecutive_skips.item()),
+                    self.tally,
+                    self._collapse_callbacks,
+                )
 
     def after_update(self, iteration: Iteration, counters: StepCounters) -> None:
         """End the iteration: emit its record if anything consumes records; move the probe
@@ -274,7 +282,10 @@ class Monitor:
             new_scale = iteration.new_scale
             assert new_scale is not None  # set by update()
             self.collapse.look(
-                lambda: snapshot_of(counters, new_scale), self.tally, self._collapse_callbacks
+                lambda: snapshot_of(counters, new_scale),
+                self.tally,
+                self._collapse_callbacks,
+                lambda: iteration.loss_origin().cause,
             )
 
     def _observe(self, iteration: Iteration) -> _Observed:

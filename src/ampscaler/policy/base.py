@@ -127,9 +127,9 @@ def require_int(
 def _shown(number: int) -> str:
     """``number`` as a person reads a bound: ``2**31 - 1`` rather than ``2147483647``."""
     for offset, suffix in ((0, ""), (1, " - 1")):
-        exponent = pow2_exponent(float(number + offset))
-        if exponent is not None and exponent > 16:
-            return f"2**{exponent}{suffix}"
+        power = number + offset  # exactly a power of two (as an int: no rounding to float)
+        if power > 2**16 and power & (power - 1) == 0:
+            return f"2**{power.bit_length() - 1}{suffix}"
     return str(number)
 
 
@@ -294,6 +294,13 @@ class Policy(abc.ABC):
         state untouched instead of calling :meth:`update_`). ``False`` by default: every
         skipped iteration moves the policy, as torch's rule does."""
         return False
+
+    #: Whether :meth:`update_` and :meth:`adjust` keep the scale at or above
+    #: :data:`LOWEST_SCALE` by themselves. When ``False`` (the default, for a policy of one's
+    #: own) the scaler clamps the scale there after every update: below it ``1/scale`` is
+    #: inexact, and from ``2**-128`` on infinite, so unscaling would write inf/NaN into finite
+    #: gradients and the scaler's own ``state_dict()`` would not load again.
+    keeps_lowest_scale: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ the state
 

@@ -186,6 +186,7 @@ class HeadroomPolicy(Policy):
     max_scale: float | None = None
 
     measuring = True
+    keeps_lowest_scale = True  # never below 2**exponents[0] >= 2**-126
 
     def __post_init__(self) -> None:
         margin = require_number("margin", self.margin)
@@ -338,11 +339,13 @@ class HeadroomPolicy(Policy):
         )
 
     def settings(self) -> dict[str, Any]:
-        """ampscaler's usual keys (every overflow backs off: hysteresis 1), and its own
-        settings as ``headroom.<name>``."""
+        """ampscaler's usual keys (every overflow backs off: hysteresis 1; an inf/NaN loss
+        does not), and its own settings as ``headroom.<name>``. The usual keys are those of
+        every built-in policy, so that a ``torch.distributed.checkpoint`` template of one
+        policy finds them in another's checkpoint and the load reaches the policy check."""
         own = {f"headroom.{name}": value for name, value in self.config().items()}
         rule = {"hysteresis": 1, "min_scale": self.min_scale, "max_scale": self.max_scale}
-        return {**rule, "dynamic": True, **own}
+        return {**rule, "dynamic": True, "backoff_on_nonfinite_loss": False, **own}
 
     def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """``headroom``: its settings and its own state, beside ampscaler's usual keys."""

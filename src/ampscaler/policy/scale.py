@@ -140,6 +140,8 @@ class ScalePolicy(Policy):
     max_scale: float | None = None
     backoff_on_nonfinite_loss: bool = True
 
+    keeps_lowest_scale = True  # the backoff is clamped at 2**-126
+
     def __post_init__(self) -> None:
         growth = require_number("growth_factor", self.growth_factor)
         if not (growth > 1.0 and math.isfinite(growth)):
@@ -382,6 +384,8 @@ class StaticPolicy(Policy):
         StaticPolicy()
     """
 
+    keeps_lowest_scale = True  # the scale never moves
+
     def update_(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
     ) -> None:
@@ -411,8 +415,15 @@ class StaticPolicy(Policy):
         )
 
     def settings(self) -> dict[str, Any]:
-        """``dynamic: False``, and the neutral rest of the rule."""
-        return {"hysteresis": 1, "min_scale": None, "max_scale": None, "dynamic": False}
+        """``dynamic: False``, and the neutral rest of the rule (the keys every built-in
+        policy saves)."""
+        return {
+            "hysteresis": 1,
+            "min_scale": None,
+            "max_scale": None,
+            "dynamic": False,
+            "backoff_on_nonfinite_loss": True,
+        }
 
     def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Saved as ``dynamic: False`` (torch's default rule under torch's keys: torch's scaler
