@@ -277,7 +277,8 @@ class Monitor:
             observed.trace = self._tracer.take()
         if self.consuming:
             self._emit(iteration, counters, pending)
-        self._finished, self._current = observed, _Observed()
+        # The next iteration's first note replaces _current (its iteration differs).
+        self._finished = observed
         if not torch.compiler.is_compiling() and self.collapse.due():
             new_scale = iteration.new_scale
             assert new_scale is not None  # set by update()
