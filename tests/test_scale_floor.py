@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampscaler
 from ampscaler.policy import LOWEST_SCALE
@@ -143,3 +145,85 @@ def test_a_torch_state_dict_with_a_collapsed_scale_is_refused_with_what_to_do(
     assert "state_dict['scale'] = 65536.0" in message
     assert scaler.get_scale() == 8.0
     torch.amp.GradScaler("cpu").load_state_dict(saved)  # torch takes it (stricter: migration.md)
+
+
+def _clamps(fn: Callable[[], object]) -> int:
+    """How many clamp ops ``fn()`` runs."""
+    count = 0
+
+    class CountClamps(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            nonlocal count
+            count += "clamp" in func.__name__
+            return func(*args, **(kwargs or {}))
+
+    with CountClamps():
+        fn()
+    return count
+
+
+def _clamps_in_update(scaler: ampscaler.GradScaler, loss_factor: float, fused: bool = False) -> int:
+    """One iteration of a tiny model with its loss times ``loss_factor``; how many clamp ops
+    its ``update()`` ran."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+    scaler.scale(model(torch.ones(1, 2)).sum() * loss_factor).backward()
+    scaler.step(opt)
+    return _clamps(scaler.update)
+
+
+def test_the_floor_clamp_runs_only_where_the_scale_could_reach_the_floor() -> None:
+    """The host follows a lower bound on the scale (Policy.lowest_after): far above the floor
+    an update runs no clamp; one backoff away from it, it does."""
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
+    assert _clamps_in_update(scaler, 1.0) == 0  # clean, far above the floor
+    assert _clamps_in_update(scaler, float("inf")) == 0  # one backoff: still far above
+    scaler.update(2.0**-125)  # the host knows the scale: one backoff from the floor
+    assert _clamps_in_update(scaler, float("inf")) == 1
+    assert scaler.get_scale() == LOWEST_SCALE
+
+
+def test_a_write_to_the_scale_from_outside_the_scaler_is_not_trusted_to_the_bound() -> None:
+    """torch's private ``_scale`` written by hand (as some loops do): the bound the host held
+    is dropped (the tensor's version counter moved), so the backoffs still stop at the floor."""
+    torch.manual_seed(0)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
+    assert _clamps_in_update(scaler, 1.0) == 0
+    scaler._scale.fill_(2.0**-125)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ampscaler.ScaleFloorWarning)  # said at the floor
+        for _ in range(3):
+            _clamps_in_update(scaler, float("inf"))
+    assert scaler.get_scale() == LOWEST_SCALE
+
+
+def test_an_optimizer_unscaled_and_not_stepped_counts_for_the_bound() -> None:
+    """``unscale_()`` read its overflow and no ``step()`` followed: the update still backs off
+    (as torch's does), and the host's bound knows it, so the second backoff stops at the floor."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**-125)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**-125)
+
+    def two_overflows(scaler_: Any) -> float:
+        for _ in range(2):
+            scaler_.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+            scaler_.unscale_(opt)
+            scaler_.update()
+            opt.zero_grad()
+        return float(scaler_.get_scale())
+
+    assert two_overflows(theirs) == 2.0**-127  # what the floor prevents
+    with pytest.warns(ampscaler.ScaleFloorWarning, match="at step 1 the scale is 2"):
+        assert two_overflows(scaler) == LOWEST_SCALE
+
+
+def test_the_bound_is_renewed_where_the_host_never_learns_the_outcome() -> None:
+    """A fused optimizer's skip flag stays on the device, so the bound falls by a backoff at
+    every update; a copy of the scale taken on the way renews it, so that clean updates 150
+    and on (where the bound alone would be at the floor) still run no clamp."""
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
+    clamps = [_clamps_in_update(scaler, 1.0, fused=True) for _ in range(160)]
+    assert clamps == [0] * 160

@@ -173,9 +173,12 @@ class Iteration:
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
-        losses: the losses given to ``scale()``, detached (read only on skipped steps).
+        losses: the losses given to ``scale()``, as given (read detached, only on skipped
+            steps and by guards).
         scale: the live scale while the iteration runs; after ``update()`` a copy of the scale
             it ran at.
+        start_scale: a copy of the scale the iteration runs at, when one was made (the first
+            unscale makes one in float64, as torch forms the reciprocal from it).
         loss_nonfinite: the flag (> 0) that a loss was already inf/NaN before scaling, agreed
             across the ranks of a ``process_group`` at the check (``None``: not agreed; then
             :meth:`loss_flag` gives this rank's).
@@ -192,6 +195,7 @@ class Iteration:
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     scale: torch.Tensor | None = None
+    start_scale: torch.Tensor | None = None
     loss_nonfinite: torch.Tensor | None = None
     local_loss_flag: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
@@ -223,11 +227,12 @@ class Iteration:
         return any(record.stage is OptState.STEPPED for record in self.records.values())
 
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
-        """Keep a loss given to ``scale()`` (detached; no device work unless many are kept,
-        when they are summed into one); with ``flag``, also fold whether it is inf/NaN into
-        :attr:`local_loss_flag` (two small device ops; no host sync)."""
+        """Keep a loss given to ``scale()`` (as given: read detached, and only on skipped steps
+        and by guards; no device work unless many are kept, when they are summed into one);
+        with ``flag``, also fold whether it is inf/NaN into :attr:`local_loss_flag` (two small
+        device ops; no host sync)."""
         losses = self.losses
-        losses.append(loss.detach())
+        losses.append(loss)
         if flag:
             bad = (~torch.isfinite(losses[-1]).all()).to(torch.float32)
             previous = self.local_loss_flag
@@ -288,7 +293,7 @@ class Iteration:
     def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The inf flags of the optimizers that were checked, and their sum (> 0 iff any
         overflowed; ``None`` for none). No host sync."""
-        flags = self.flags()
+        flags = [r.found_inf for r in self.records.values() if r.found_inf is not None]
         return flags, flag_sum(flags)
 
     def spikes(self) -> list[torch.Tensor]:
@@ -296,15 +301,16 @@ class Iteration:
         return [r.spike for r in self.records.values() if r.spike is not None]
 
     def overflow_known(self) -> bool | None:
-        """Whether an optimizer's step was skipped for inf/NaN gradients, when every step's
-        outcome is known on the host (plain optimizers: the decision read it); ``None`` when an
-        outcome is a flag still on the device (fused optimizers). No host sync."""
+        """Whether a checked optimizer's gradients held inf/NaN, when every check's outcome is
+        known on the host (a plain optimizer's step, or ``unscale_()``, read it); ``None`` when
+        one is a flag still on the device (fused optimizers, one unscaled and not stepped
+        under a ``process_group``). No host sync."""
         known = False
         for record in self.records.values():
+            if record.found_inf is None:
+                continue  # not checked: not in the iteration's flag
             outcome = record.outcome
-            if outcome is None:
-                continue
-            nonfinite = outcome.known_nonfinite
+            nonfinite = record.known_overflow if outcome is None else outcome.known_nonfinite
             if nonfinite is None:
                 return None
             known = known or nonfinite
@@ -324,8 +330,8 @@ class Iteration:
 
 
 def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:
-    """The losses summed into one float32 value, on the first one's device."""
+    """The losses summed into one float32 value, on the first one's device (detached)."""
     device = losses[0].device
     if len(losses) == 1:
-        return losses[0].to(torch.float32).sum()
-    return torch.stack([loss.to(device, torch.float32).sum() for loss in losses]).sum()
+        return losses[0].detach().to(torch.float32).sum()
+    return torch.stack([loss.detach().to(device, torch.float32).sum() for loss in losses]).sum()

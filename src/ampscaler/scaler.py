@@ -82,12 +82,17 @@ SinkT = TypeVar("SinkT", bound=Sink)
 AttachableT = TypeVar("AttachableT", bound=Attachable)
 
 
-def _reciprocal(live: LiveState) -> torch.Tensor:
-    """``1/scale`` as torch's scaler forms it: in float64, rounded once to float32. On a device
-    without float64 it is formed in float32, which gives the same value for every power-of-two
-    scale (the default policy keeps one). No host sync."""
+def _reciprocal(live: LiveState, iteration: Iteration) -> torch.Tensor:
+    """``1/scale`` as torch's scaler forms it: in float64, rounded once to float32. The float64
+    copy of the scale that takes is kept as ``iteration.start_scale`` (``update()`` counts the
+    iteration from it, and a second optimizer's reciprocal starts from it). On a device without
+    float64 it is formed in float32, which gives the same value for every power-of-two scale
+    (the default policy keeps one). No host sync."""
     if live.float64:
-        return live.scale.double().reciprocal().float()
+        start = iteration.start_scale
+        if start is None:
+            start = iteration.start_scale = live.scale.double()
+        return start.reciprocal().float()
     return live.scale.reciprocal()
 
 
@@ -384,7 +389,7 @@ class GradScaler(TorchPrivateNames):
 
     def _unscale(self, record: OptimizerRecord, live: LiveState) -> None:
         groups = self._collect(record.optimizer, live, allow_fp16=self._unscale_allows_fp16)
-        self._check(groups, record, live, _reciprocal(live))
+        self._check(groups, record, live, _reciprocal(live, self._iteration))
         record.stage = OptState.UNSCALED
 
     def _collect(
@@ -615,7 +620,12 @@ class GradScaler(TorchPrivateNames):
         if self._agreement is not None:
             self._agreement.settle()
         flags, found_inf = iteration.checked_flags()  # found_inf > 0 iff any overflowed
-        if new_scale is None and found_inf is not None and self._defers_update():
+        if (
+            new_scale is None
+            and found_inf is not None
+            and torch.compiler.is_compiling()
+            and self._defers_update()
+        ):
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
             self._end(iteration, found_inf, live.scale, None, live)
@@ -649,7 +659,15 @@ class GradScaler(TorchPrivateNames):
             self._iteration.require_checked()
         assert found_inf is not None
         measured = None if self._meter is None else self._measured(self._meter, live)
-        old_scale = self._state.advance(found_inf, spiked, measured, self._iteration.cause_flag)
+        iteration = self._iteration
+        old_scale = self._state.advance(
+            found_inf,
+            spiked,
+            measured,
+            iteration.cause_flag,
+            iteration.overflow_known(),
+            iteration.start_scale,
+        )
         if self._meter is not None:
             self._meter.advance()
         return old_scale
@@ -665,12 +683,11 @@ class GradScaler(TorchPrivateNames):
         return measured
 
     def _defers_update(self) -> bool:
-        """Whether ``update()`` hands its work to the next read of the state: under
-        ``torch.compile``, when no host read is due now (no step records consumed, no skip
-        limit, no guard)."""
+        """Whether ``update()`` under ``torch.compile`` hands its work to the next read of the
+        state: when no host read is due now (no step records consumed, no skip limit, no
+        guard)."""
         return (
-            torch.compiler.is_compiling()
-            and self._max_consecutive_skips is None
+            self._max_consecutive_skips is None
             and not self._monitor.consuming
             and not self._guards.active
             and not self._state.policy.holds_on_nonfinite_loss

@@ -39,13 +39,16 @@ import torch
 
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
-from .hostcopy import read_values
+from .hostcopy import HostCopy, read_values
 from .policy import LOWEST_SCALE, Policy, PolicyState, float32_value
 
 __all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
 
 #: Iterations kept before they are folded into the counters, at the latest.
-FOLD_EVERY = 64
+FOLD_EVERY = 256
+#: Below this bound on the scale (known on the host, see ``ScalerState._keep_above_floor``) a
+#: copy of the scale is taken to renew it: some 80 backoffs before the floor is in reach.
+RENEW_BELOW = 2.0**-46
 
 #: The largest value an int64 counter holds.
 INT64_MAX = 2**63 - 1
@@ -189,11 +192,8 @@ class StepCounters:
 
     def _fold(self) -> None:
         if self._found:
-            device = self._values.device
-            found = torch.stack([flag.to(device) for flag in self._found])
-            spiked = (
-                torch.stack([flag.to(device) for flag in self._spiked]) if self._spiked else None
-            )
+            found = _stacked(self._found, self._values.device)
+            spiked = _stacked(self._spiked, self._values.device) if self._spiked else None
             self._count(found, spiked, torch.stack(self._old))
             self._found, self._spiked, self._old = [], [], []
 
@@ -224,6 +224,14 @@ class StepCounters:
                 )
             )
         )
+
+
+def _stacked(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-dim ``flags`` as one 1-dim tensor on ``device`` (each moved there only when they are
+    not all on it already)."""
+    if all(flag.device == device for flag in flags):
+        return torch.stack(flags)
+    return torch.stack([flag.to(device) for flag in flags])
 
 
 @dataclass(frozen=True)
@@ -257,14 +265,6 @@ def _host_state(
     del values["scale"]
     tracker = values.pop("growth_tracker")
     return HostState(scale, tracker, values, stats)
-
-
-def _keep_lowest_scale(policy: Policy, scale: torch.Tensor) -> None:
-    """Clamp ``scale`` in place at :data:`~ampscaler.policy.LOWEST_SCALE` after an update by a
-    policy that does not keep it there by itself (a policy of one's own; see
-    :attr:`Policy.keeps_lowest_scale <ampscaler.Policy.keeps_lowest_scale>`). No host sync."""
-    if not policy.keeps_lowest_scale:
-        scale.clamp_(min=LOWEST_SCALE)
 
 
 def _supports_float64(device: torch.device) -> bool:
@@ -326,6 +326,7 @@ class ScalerState:
 
     def __init__(self, policy: Policy, scale: float) -> None:
         self._policy = policy
+        self._holds = policy.holds_on_nonfinite_loss  # asked once per policy, not per update
         self._host: HostState = HostState(scale)
         self._live: LiveState | None = None
         # Until scale() uses it, the scale is reported as given (not rounded to float32), as
@@ -338,6 +339,12 @@ class ScalerState:
         self._pending_policy = policy
         self._deferred = False
         self._watch: Pow2Watch | None = None  # made by watch_powers_of_two()
+        # A lower bound on the scale known on the host (0.0: none), and the scale's version
+        # counter when it was known; see _keep_above_floor().
+        self._lowest = float32_value(scale)
+        self._lowest_version = 0
+        self._updates = 0  # updates that followed the bound
+        self._renewal: HostCopy | None = None  # a copy of the scale on its way to the host
 
     # ------------------------------------------------------------------ the policy
 
@@ -357,6 +364,7 @@ class ScalerState:
         policy = self._policy.with_rule(funcname, **changes)
         self._apply_pending()
         self._policy = self._pending_policy = policy
+        self._holds = policy.holds_on_nonfinite_loss
         if self._watch is not None:
             self._watch.set_policy(policy.power_of_two)
 
@@ -365,7 +373,8 @@ class ScalerState:
     @property
     def live(self) -> LiveState | None:
         """The tensors (settled), or ``None`` before the first device is known."""
-        self._apply_pending()
+        if self._deferred:
+            self._settle_masked()
         return self._live
 
     def on(self, device: torch.device) -> LiveState:
@@ -373,10 +382,8 @@ class ScalerState:
         ``torch.compile`` a pending update is applied masked, whether there is one or not."""
         if self._live is None:
             self._make_live(device)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self._deferred:
             self._settle_masked()
-        else:
-            self._apply_pending()
         assert self._live is not None
         return self._live
 
@@ -454,35 +461,47 @@ class ScalerState:
         spiked: torch.Tensor | None = None,
         measured: torch.Tensor | None = None,
         loss_nonfinite: Callable[[], torch.Tensor | None] | None = None,
+        overflowed: bool | None = None,
+        start_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
-        does not see; and what a measuring policy ``measured``): move the state by the policy,
-        count it. A policy that holds on a non-finite loss
+        does not see; and what a measuring policy ``measured``; ``overflowed``: whether
+        ``found_inf > 0``, where the host knows it): move the state by the policy, count it.
+        A policy that holds on a non-finite loss
         (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
         does not move where the flag ``loss_nonfinite()`` gives is > 0 (asked for only
-        then). Returns a copy of the scale the iteration started from. No host sync."""
+        then). Returns a copy of the scale the iteration started from: ``start_scale`` (one
+        made already, in any float dtype) or a new one. No host sync."""
         live = self._settled_live()
         if self._watch is not None:
             self._watch.before_update()
-        old = live.scale.clone()
-        policy = self._policy
-        flag = (
-            loss_nonfinite()
-            if loss_nonfinite is not None and policy.holds_on_nonfinite_loss
-            else None
-        )
-        if flag is not None:
-            moved = policy.adjust(live.tensors, found_inf, measured)
-            hold = flag.to(live.device) > 0
-            for tensor, value in zip(live.tensors, moved, strict=True):
-                if value is not tensor:
-                    tensor.copy_(torch.where(hold, tensor, value))
+        old = live.scale.clone() if start_scale is None else start_scale
+        compiling = torch.compiler.is_compiling()
+        known = 0.0 if compiling else self._known_lowest(live.scale)
+        flag = loss_nonfinite() if loss_nonfinite is not None and self._holds else None
+        if flag is None:
+            self._policy.update_(live.tensors, found_inf, measured)
         else:
-            policy.update_(live.tensors, found_inf, measured)
-        _keep_lowest_scale(policy, live.scale)
+            self._update_unless(flag, live, found_inf, measured)
+        self._keep_above_floor(live.scale, known, overflowed, compiling)
         live.counters.record(found_inf, old, spiked)
-        self._updated(live.scale)
+        if self._watch is not None:
+            self._watch.updated(live.scale)
         return old
+
+    def _update_unless(
+        self,
+        hold: torch.Tensor,
+        live: LiveState,
+        found_inf: torch.Tensor,
+        measured: torch.Tensor | None,
+    ) -> None:
+        """The policy's update, where the flag ``hold`` is not > 0 (branch-free)."""
+        moved = self._policy.adjust(live.tensors, found_inf, measured)
+        keep = hold.to(live.device) > 0
+        for tensor, value in zip(live.tensors, moved, strict=True):
+            if value is not tensor:
+                tensor.copy_(torch.where(keep, tensor, value))
 
     def set_scale(
         self,
@@ -523,6 +542,7 @@ class ScalerState:
         if self._live is not None:  # made first: if the policy refuses the values, nothing changed
             tensors = policy.initial_state(host.scale, self._live.device, host.values())
         self._policy = self._pending_policy = policy
+        self._holds = policy.holds_on_nonfinite_loss
         if self._live is None or tensors is None:
             self._host = host
             return
@@ -560,6 +580,7 @@ class ScalerState:
         host = self._host
         tensors = self._policy.initial_state(host.scale, device, host.values())
         self._live = LiveState(tensors, host.stats)
+        self._know_lowest(float32_value(host.scale))
         self._pending = (self._nothing(device),)
         if self._watch is not None:
             self._watch.follow(self._live.scale)
@@ -573,12 +594,62 @@ class ScalerState:
         return live
 
     def _saw(self, value: float) -> None:
+        """The host learned the scale's value."""
+        self._know_lowest(value)
         if self._watch is not None:
             self._watch.saw(value)
 
-    def _updated(self, scale: torch.Tensor) -> None:
-        if self._watch is not None:
-            self._watch.updated(scale)
+    def _know_lowest(self, lowest: float) -> None:
+        """The scale is at least ``lowest`` now, as written (its version counter) by now."""
+        self._lowest = lowest
+        if self._live is not None:
+            self._lowest_version = self._live.scale._version
+
+    def _known_lowest(self, scale: torch.Tensor) -> float:
+        """Before an eager update: the bound on ``scale`` the host knows (0.0 when something
+        wrote the scale since: a version counter the bound was not made at)."""
+        if scale._version != self._lowest_version:
+            self._renewal = None  # taken before a write from outside: not to be trusted
+            return 0.0
+        if self._watch is not None:  # the watch renews a bound of its own
+            return max(self._lowest, self._watch.lowest())
+        renewal = self._renewal
+        if renewal is None or not renewal.landed():
+            return self._lowest
+        self._renewal = None
+        copied = float(renewal.tolist())
+        for _ in range(self._updates - renewal.at):  # the updates since the copy was taken
+            copied = self._policy.lowest_after(copied, None)
+        return max(self._lowest, copied)
+
+    def _keep_above_floor(
+        self, scale: torch.Tensor, known: float, overflowed: bool | None, compiling: bool
+    ) -> None:
+        """After an update from a scale of at least ``known``: clamp ``scale`` in place at
+        :data:`~ampscaler.policy.LOWEST_SCALE` unless the bound the policy gives
+        (:meth:`Policy.lowest_after <ampscaler.Policy.lowest_after>`) keeps it at twice that or
+        more. No host sync; one device op when it clamps.
+
+        It always clamps under ``torch.compile`` (a Python bound read there would be guarded
+        on) and in a CUDA graph capture (the replays run no Python).
+
+        Where the host never learns whether an iteration overflowed (fused optimizers) the
+        bound falls at every update; below :data:`RENEW_BELOW` a copy of the scale starts on
+        its way to the host without waiting for it, and renews the bound once it has landed
+        (at once on the CPU); with a :class:`~ampscaler.grads.pow2.Pow2Watch`, whose own
+        renewals serve both, none is taken."""
+        if compiling or (scale.is_cuda and torch.cuda.is_current_stream_capturing()):
+            scale.clamp_(min=LOWEST_SCALE)
+            self._lowest = 0.0
+            return
+        lowest = self._policy.lowest_after(known, overflowed)
+        if lowest < 2.0 * LOWEST_SCALE:
+            scale.clamp_(min=LOWEST_SCALE)
+            lowest = max(lowest, LOWEST_SCALE)
+        self._lowest, self._lowest_version = lowest, scale._version
+        self._updates += 1
+        if lowest < RENEW_BELOW and self._renewal is None and self._watch is None:
+            self._renewal = HostCopy(scale, self._updates)  # adopted once landed
 
     def _nothing(self, device: torch.device) -> torch.Tensor:
         # A new tensor each time: one kept and reused would alias the pending flag on the
@@ -611,7 +682,8 @@ class ScalerState:
         for tensor, value in zip(live.tensors, moved, strict=True):
             if value is not tensor:
                 tensor.copy_(torch.where(pending, value, tensor))
-        _keep_lowest_scale(policy, live.scale)
+        live.scale.clamp_(min=LOWEST_SCALE)
+        self._lowest = 0.0  # from here on unknown (under torch.compile it is never read)
         live.counters.count_now(found, old)  # kept iterations would change a compiled guard
         self._pending = (self._nothing(live.device),)
         self._deferred = False

@@ -160,6 +160,11 @@ class Pow2Watch:
         bound = self._bound()
         return bound is not None and bound >= LOWEST_EXACT
 
+    def lowest(self) -> float:
+        """A lower bound on the scale now, as this watch knows it (``0.0``: none)."""
+        bound = self._bound()
+        return 0.0 if bound is None else 2.0**bound
+
     def _bound(self) -> int | None:
         """A lower bound on the scale's exponent now (``None``: not known to be a power of 2)."""
         if self._known is None or self._drop is None:

@@ -83,6 +83,11 @@ class _Observed:
     checked: set[int] = field(default_factory=set)
 
 
+#: What :meth:`Monitor.after_update` keeps for an iteration in which nothing was noted (no
+#: skip, nothing traced): resolved, with no report.
+_NOTHING_OBSERVED = _Observed(resolved=True)
+
+
 class Monitor:
     """Per-iteration overflow bookkeeping; the probe, tracer, sinks and callbacks attached.
 
@@ -271,14 +276,15 @@ class Monitor:
         ``iteration`` holds its outcome (``found_inf``, ``spiked``, the scale it ran at as a
         copy, and the live ``new_scale``, read only here); ``counters`` have counted it.
         """
-        observed = self._observe(iteration)
         pending = None if self._probe is None else self._probe.end_iteration()
         if self._tracer is not None:
-            observed.trace = self._tracer.take()
-        if self.consuming:
+            self._observe(iteration).trace = self._tracer.take()
+        if self._sinks or self._record_callbacks:
             self._emit(iteration, counters, pending)
-        # The next iteration's first note replaces _current (its iteration differs).
-        self._finished = observed
+        # Nothing noted in the iteration: nothing to report. The next iteration's first note
+        # replaces _current (its iteration differs).
+        current = self._current
+        self._finished = current if current.iteration is iteration else _NOTHING_OBSERVED
         if not torch.compiler.is_compiling() and self.collapse.due():
             new_scale = iteration.new_scale
             assert new_scale is not None  # set by update()

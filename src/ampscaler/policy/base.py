@@ -295,12 +295,26 @@ class Policy(abc.ABC):
         skipped iteration moves the policy, as torch's rule does."""
         return False
 
-    #: Whether :meth:`update_` and :meth:`adjust` keep the scale at or above
-    #: :data:`LOWEST_SCALE` by themselves. When ``False`` (the default, for a policy of one's
-    #: own) the scaler clamps the scale there after every update: below it ``1/scale`` is
-    #: inexact, and from ``2**-128`` on infinite, so unscaling would write inf/NaN into finite
-    #: gradients and the scaler's own ``state_dict()`` would not load again.
-    keeps_lowest_scale: ClassVar[bool] = False
+    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
+        """A lower bound on the scale one update can leave, from a scale of at least ``scale``
+        (``overflowed``: whether the iteration's gradients held inf/NaN, where the host knows
+        it; ``None``: not known). A Python computation, no device work.
+
+        The scaler keeps the scale at or above :data:`LOWEST_SCALE`: below it ``1/scale`` is
+        inexact, and from ``2**-128`` on infinite, so unscaling would write inf/NaN into
+        finite gradients and the scaler's own ``state_dict()`` would not load again. It
+        follows this bound from the last scale it knew on the host and clamps the scale (one
+        device op) after every update the bound cannot keep above the floor. The default,
+        ``0.0``, knows no bound: the scale is clamped after every update.
+
+        Example:
+            >>> from ampscaler import ScalePolicy
+            >>> ScalePolicy().lowest_after(1024.0, overflowed=None)  # one backoff, less a margin
+            511.99951171875
+            >>> ScalePolicy().lowest_after(1024.0, overflowed=False)  # clean: never lower
+            1024.0
+        """
+        return 0.0
 
     # ------------------------------------------------------------------ the state
 

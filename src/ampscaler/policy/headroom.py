@@ -186,7 +186,6 @@ class HeadroomPolicy(Policy):
     max_scale: float | None = None
 
     measuring = True
-    keeps_lowest_scale = True  # never below 2**exponents[0] >= 2**-126
 
     def __post_init__(self) -> None:
         margin = require_number("margin", self.margin)
@@ -291,6 +290,10 @@ class HeadroomPolicy(Policy):
                 f"headroom[{name!r}]", saved.get(name), 0, _COUNT_MAX, integral_floats=True
             )
         return values
+
+    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
+        """Never below ``2**exponents[0]`` (at least ``2**-126``): its update clamps there."""
+        return 2.0 ** self.exponents[0]
 
     @property
     def holds_on_nonfinite_loss(self) -> bool:

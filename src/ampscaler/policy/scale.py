@@ -49,7 +49,6 @@ import torch
 
 from ..errors import InvalidConfigError, ScalerUsageError
 from .base import (
-    LOWEST_SCALE,
     BasicState,
     Policy,
     PolicyState,
@@ -140,8 +139,6 @@ class ScalePolicy(Policy):
     max_scale: float | None = None
     backoff_on_nonfinite_loss: bool = True
 
-    keeps_lowest_scale = True  # the backoff is clamped at 2**-126
-
     def __post_init__(self) -> None:
         growth = require_number("growth_factor", self.growth_factor)
         if not (growth > 1.0 and math.isfinite(growth)):
@@ -173,6 +170,14 @@ class ScalePolicy(Policy):
     def holds_on_nonfinite_loss(self) -> bool:
         """``not backoff_on_nonfinite_loss``."""
         return not self.backoff_on_nonfinite_loss
+
+    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
+        """Only an overflow lowers the scale, by ``backoff_factor`` at most (and not below
+        ``min_scale``); a margin of ``2**-20`` covers float32's rounding of the product."""
+        if overflowed is False:
+            return scale
+        lowered = scale * self.backoff_factor * (1.0 - 2.0**-20)
+        return lowered if self.min_scale is None else max(lowered, self.min_scale)
 
     @property
     def _torch_kernel(self) -> bool:
@@ -209,7 +214,8 @@ class ScalePolicy(Policy):
 
         Pure (the input state is not modified) and free of host syncs. ``found_inf`` is a 0-dim
         float tensor on the state's device holding a count of non-finite checks (``>= 0``), as
-        the gradient check produces it. ``measured`` is not used.
+        the gradient check produces it. ``measured`` is not used. The scaler keeps the scale
+        at or above ``2**-126`` (see :meth:`lowest_after`).
 
         With torch's rule (``hysteresis=1``, no bounds) and a float32 ``found_inf``, the
         transition is torch's own fused kernel ``torch._amp_update_scale_`` run on copies of the
@@ -248,7 +254,7 @@ class ScalePolicy(Policy):
             shrunk = torch.clamp_min(shrunk, self.min_scale)
 
         scale = torch.where(grow & torch.isfinite(grown), grown, live.scale)
-        scale = torch.where(backoff, shrunk, scale).clamp_min(LOWEST_SCALE)
+        scale = torch.where(backoff, shrunk, scale)
         return ScaleState(scale, growth_tracker, hysteresis_left)
 
     def update_(
@@ -256,8 +262,9 @@ class ScalePolicy(Policy):
     ) -> None:
         """Apply :meth:`adjust` to ``state`` in place: its tensors keep their identity.
 
-        With torch's rule this is one call of torch's fused kernel on the live tensors, and one
-        clamp that keeps the scale at or above ``2**-126``. No host sync.
+        With torch's rule this is one call of torch's fused kernel on the live tensors (the
+        scaler keeps the scale at or above ``2**-126``: see :meth:`lowest_after`). No host
+        sync.
         """
         if self._torch_kernel and found_inf.dtype == torch.float32:
             torch._amp_update_scale_(
@@ -268,7 +275,6 @@ class ScalePolicy(Policy):
                 self.backoff_factor,
                 self.growth_interval,
             )
-            state.scale.clamp_(min=LOWEST_SCALE)
             return
         for live, value in zip(state, self.adjust(state, found_inf), strict=True):
             if value is not live:
@@ -384,7 +390,9 @@ class StaticPolicy(Policy):
         StaticPolicy()
     """
 
-    keeps_lowest_scale = True  # the scale never moves
+    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
+        """The scale never moves."""
+        return scale
 
     def update_(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
