@@ -311,6 +311,37 @@ def test_step_skipped_follows_each_optimizer(fused: bool) -> None:
     assert seen == [(False, False), (False, True), (True, False), (False, False)]
 
 
+def test_an_optimizer_gone_is_forgotten_and_never_mistaken_for_a_new_one() -> None:
+    """The scaler does not keep a stepped optimizer alive, and an optimizer made after one
+    that is gone (which may get its ``id``) has not stepped."""
+    import gc
+    import weakref
+
+    model = _mlp()
+    scaler = ampscaler.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.scale(_loss(model, 0) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.step_skipped(opt)
+    other = torch.optim.SGD(model.parameters(), lr=0.01)
+    other.zero_grad()
+    scaler.scale(_loss(model, 1)).backward()
+    scaler.step(other)
+    scaler.update()  # the last iteration (kept for its report) no longer holds `opt`
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None
+    assert len(scaler._outcomes) == 1  # `other`'s only: the entry went with `opt`
+    assert not scaler.step_skipped(other)
+    for _ in range(20):  # new optimizers of the same size: ids of freed ones come back
+        fresh = torch.optim.SGD(model.parameters(), lr=0.01)
+        with pytest.raises(RuntimeError, match="has not stepped"):
+            scaler.step_skipped(fresh)
+        del fresh
+
+
 # ---------------------------------------------------------------- the wrong precision
 
 

@@ -122,13 +122,6 @@ class StepOutcome:
         """Whether ``optimizer.step()`` was skipped (may read the device, see :attr:`reason`)."""
         return self.reason is not None
 
-    @property
-    def known_nonfinite(self) -> bool | None:
-        """Whether the gradients held inf/NaN, if known on the host (``None``: a device flag
-        not read yet). No host sync."""
-        found = self._found_inf
-        return None if isinstance(found, torch.Tensor) else bool(found)
-
     def settled(self) -> StepOutcome:
         """The same verdict as Python values (for a copied scaler)."""
         reason = self.reason
@@ -293,8 +286,14 @@ class Iteration:
     def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The inf flags of the optimizers that were checked, and their sum (> 0 iff any
         overflowed; ``None`` for none). No host sync."""
-        flags = [r.found_inf for r in self.records.values() if r.found_inf is not None]
-        return flags, flag_sum(flags)
+        flags = []
+        total = None
+        for record in self.records.values():
+            flag = record.found_inf
+            if flag is not None:
+                flags.append(flag)
+                total = flag if total is None else total + flag
+        return flags, total
 
     def spikes(self) -> list[torch.Tensor]:
         """The guards' flags of the optimizers that had them."""
@@ -310,7 +309,12 @@ class Iteration:
             if record.found_inf is None:
                 continue  # not checked: not in the iteration's flag
             outcome = record.outcome
-            nonfinite = record.known_overflow if outcome is None else outcome.known_nonfinite
+            if outcome is None:
+                nonfinite = record.known_overflow
+            elif isinstance(outcome._found_inf, torch.Tensor):
+                return None  # a flag still on the device
+            else:
+                nonfinite = bool(outcome._found_inf)
             if nonfinite is None:
                 return None
             known = known or nonfinite

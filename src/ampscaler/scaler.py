@@ -266,9 +266,9 @@ class GradScaler(TorchPrivateNames):
         self._watched = WatchedModels()  # for the policy's meter
         self._meter = self._new_meter(chosen, 0)
         self._last_outcome: StepOutcome | None = None
-        self._outcomes: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepOutcome] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Each optimizer's latest outcome by id, dropped with the optimizer (a weak-keyed
+        # dict would make a weak reference at every step).
+        self._outcomes: dict[int, StepOutcome] = {}
         # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
         self._bf16 = Bfloat16Watch()
         if self._enabled and self._device == "cpu":
@@ -577,7 +577,10 @@ class GradScaler(TorchPrivateNames):
     ) -> None:
         record.stage = OptState.STEPPED
         outcome = record.outcome = self._last_outcome = StepOutcome(found_inf, spike)
-        self._outcomes[record.optimizer] = outcome
+        outcomes, key = self._outcomes, id(record.optimizer)
+        if key not in outcomes:  # dropped when the optimizer is, before its id is reused
+            weakref.finalize(record.optimizer, outcomes.pop, key, None)
+        outcomes[key] = outcome
 
     # ------------------------------------------------------------------ update
 
@@ -612,7 +615,8 @@ class GradScaler(TorchPrivateNames):
         """
         if not self._enabled:
             return
-        if self._meter is not None and torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if self._meter is not None and compiling:
             _update_eagerly(self, new_scale)  # a graph break: the meter's schedule is Python
             return
         live = self._state.require("update")
@@ -620,18 +624,13 @@ class GradScaler(TorchPrivateNames):
         if self._agreement is not None:
             self._agreement.settle()
         flags, found_inf = iteration.checked_flags()  # found_inf > 0 iff any overflowed
-        if (
-            new_scale is None
-            and found_inf is not None
-            and torch.compiler.is_compiling()
-            and self._defers_update()
-        ):
+        if new_scale is None and found_inf is not None and compiling and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
             self._end(iteration, found_inf, live.scale, None, live)
             return
         spiked = flag_sum(iteration.spikes()) if self._guards.active else None
-        old_scale = self._move(new_scale, found_inf, spiked, live)
+        old_scale = self._move(new_scale, found_inf, spiked, live, compiling)
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
             self._iteration = Iteration()
             return
@@ -647,9 +646,10 @@ class GradScaler(TorchPrivateNames):
         found_inf: torch.Tensor | None,
         spiked: torch.Tensor | None,
         live: LiveState,
+        compiling: bool,
     ) -> torch.Tensor:
-        """Set the scale to ``new_scale``, or move it by the policy; returns a copy of the
-        scale before."""
+        """Set the scale to ``new_scale``, or move it by the policy (``compiling``: under
+        ``torch.compile``); returns a copy of the scale before."""
         if new_scale is not None:
             value = new_scale_value(new_scale, self._state.policy)
             if self._meter is not None:
@@ -667,6 +667,7 @@ class GradScaler(TorchPrivateNames):
             iteration.cause_flag,
             iteration.overflow_known(),
             iteration.start_scale,
+            compiling,
         )
         if self._meter is not None:
             self._meter.advance()
@@ -705,7 +706,8 @@ class GradScaler(TorchPrivateNames):
         iteration.new_scale = live.scale
         iteration.attempt = self._attempt
         self._finished, self._iteration = iteration, Iteration()
-        self._bf16.stop()
+        if self._bf16.active:
+            self._bf16.stop()
         self._monitor.after_update(iteration, live.counters)
 
     def _check_persistent_overflow(self, live: LiveState, limit: int) -> None:
@@ -1033,7 +1035,7 @@ class GradScaler(TorchPrivateNames):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._outcomes = weakref.WeakKeyDictionary()
+        self._outcomes = {}
 
     # ------------------------------------------------------------------ skips and reports
 
@@ -1107,7 +1109,7 @@ class GradScaler(TorchPrivateNames):
             ScalerUsageError: (a ``RuntimeError``) ``optimizer`` has not been stepped through
                 this scaler.
         """
-        outcome = self._outcomes.get(optimizer)
+        outcome = self._outcomes.get(id(optimizer))
         if outcome is None:
             raise ScalerUsageError(
                 f"step_skipped() was asked about an optimizer ({type(optimizer).__name__}) "

@@ -138,7 +138,16 @@ class StepCounters:
         """
         if torch.compiler.is_compiling():
             self.count_now(found_inf, old_scale, spiked)
-            return
+        else:
+            self.keep(found_inf, old_scale, spiked)
+
+    def keep(
+        self,
+        found_inf: torch.Tensor,
+        old_scale: torch.Tensor,
+        spiked: torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`record`, eagerly: the iteration is kept for a later fold."""
         self._found.append(found_inf)
         # Guard flags are kept only from the first one on (then in step with _found).
         if spiked is not None and not self._spiked:
@@ -400,7 +409,9 @@ class ScalerState:
         Raises:
             ScalerUsageError: ``scale()`` has not been used yet.
         """
-        live = self.live
+        if self._deferred:
+            self._settle_masked()
+        live = self._live
         if live is None or not self._used:
             raise ScalerUsageError(
                 f"Attempted {funcname}() but the scale was never used: call "
@@ -463,6 +474,7 @@ class ScalerState:
         loss_nonfinite: Callable[[], torch.Tensor | None] | None = None,
         overflowed: bool | None = None,
         start_scale: torch.Tensor | None = None,
+        compiling: bool | None = None,
     ) -> torch.Tensor:
         """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
         does not see; and what a measuring policy ``measured``; ``overflowed``: whether
@@ -471,20 +483,37 @@ class ScalerState:
         (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
         does not move where the flag ``loss_nonfinite()`` gives is > 0 (asked for only
         then). Returns a copy of the scale the iteration started from: ``start_scale`` (one
-        made already, in any float dtype) or a new one. No host sync."""
-        live = self._settled_live()
+        made already, in any float dtype) or a new one. ``compiling``: whether under
+        ``torch.compile``, where the caller knows it (asked otherwise). No host sync."""
+        if self._deferred:
+            self._settle_masked()
+        live = self._live
+        assert live is not None, "the state lives on a device once scale() has run"
         if self._watch is not None:
             self._watch.before_update()
         old = live.scale.clone() if start_scale is None else start_scale
-        compiling = torch.compiler.is_compiling()
-        known = 0.0 if compiling else self._known_lowest(live.scale)
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        if compiling:
+            known = 0.0  # no bound followed under torch.compile
+        elif (
+            live.scale._version == self._lowest_version
+            and self._renewal is None
+            and self._watch is None
+        ):
+            known = self._lowest  # the common case: no write since, nothing to renew it by
+        else:
+            known = self._known_lowest(live.scale)
         flag = loss_nonfinite() if loss_nonfinite is not None and self._holds else None
         if flag is None:
             self._policy.update_(live.tensors, found_inf, measured)
         else:
             self._update_unless(flag, live, found_inf, measured)
         self._keep_above_floor(live.scale, known, overflowed, compiling)
-        live.counters.record(found_inf, old, spiked)
+        if compiling:
+            live.counters.count_now(found_inf, old, spiked)
+        else:
+            live.counters.keep(found_inf, old, spiked)
         if self._watch is not None:
             self._watch.updated(live.scale)
         return old
@@ -607,7 +636,8 @@ class ScalerState:
 
     def _known_lowest(self, scale: torch.Tensor) -> float:
         """Before an eager update: the bound on ``scale`` the host knows (0.0 when something
-        wrote the scale since: a version counter the bound was not made at)."""
+        wrote the scale since: a version counter the bound was not made at), renewed by the
+        watch's bound or by a copy of the scale that has landed."""
         if scale._version != self._lowest_version:
             self._renewal = None  # taken before a write from outside: not to be trusted
             return 0.0

@@ -34,7 +34,9 @@ def unscale_per_device_(
     with torch.no_grad():
         for device, per_dtype in groups.items():
             flag = found_inf if device == found_inf.device else found_inf.to(device, copy=True)
-            inv = inv_scale.to(device, non_blocking=True)
+            inv = inv_scale
+            if inv.device != device:
+                inv = inv.to(device, non_blocking=True)
             for grads in per_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
             flags[device] = flag

@@ -248,9 +248,11 @@ class CollapseWatch:
         """Count one update; whether :meth:`look` has work now (a window ended; during a
         collapse, every update until the scale is at its floor; or a copy is on its way).
         Cheap: called at every update."""
-        self._updates += 1
-        if self._updates % self.window == 0:
-            self._window_ended = self._updates
+        updates = self._updates = self._updates + 1
+        if updates % self.window == 0:
+            self._window_ended = updates
+        elif self._window_ended is None and not self._collapsing and self._pending is None:
+            return False  # the common case: within a window, no collapse, no copy on its way
         return self._pending is not None or (
             self.active and (self._window_ended is not None or self._nearing_floor)
         )

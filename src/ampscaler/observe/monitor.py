@@ -250,10 +250,13 @@ class Monitor:
         process group the ranks, the same on every rank). A flag is read when the overflow
         is asked for, up to the end of the next iteration: it must not change before then.
         """
-        observed = self._observe(iteration)
         if isinstance(found_inf, torch.Tensor):
-            observed.fused.append((optimizer, found_inf))
-        elif found_inf and id(optimizer) not in observed.checked:
+            self._observe(iteration).fused.append((optimizer, found_inf))
+            return
+        if not found_inf:
+            return  # a clean plain step: nothing to note
+        observed = self._observe(iteration)
+        if id(optimizer) not in observed.checked:
             step = 0 if counters is None else int(counters.steps.item())
             events = None if self._tracer is None else self._tracer.events
             scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
@@ -281,10 +284,13 @@ class Monitor:
             self._observe(iteration).trace = self._tracer.take()
         if self._sinks or self._record_callbacks:
             self._emit(iteration, counters, pending)
-        # Nothing noted in the iteration: nothing to report. The next iteration's first note
-        # replaces _current (its iteration differs).
+        # Nothing noted in the iteration: nothing to report. Nothing of it is held once the
+        # next one ends (its optimizers, its losses).
         current = self._current
-        self._finished = current if current.iteration is iteration else _NOTHING_OBSERVED
+        if current.iteration is iteration:
+            self._finished, self._current = current, _NOTHING_OBSERVED
+        else:
+            self._finished = _NOTHING_OBSERVED
         if not torch.compiler.is_compiling() and self.collapse.due():
             new_scale = iteration.new_scale
             assert new_scale is not None  # set by update()

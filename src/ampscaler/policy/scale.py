@@ -43,7 +43,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -139,6 +139,8 @@ class ScalePolicy(Policy):
     max_scale: float | None = None
     backoff_on_nonfinite_loss: bool = True
 
+    _torch_kernel: ClassVar[bool]  # set per instance by __post_init__
+
     def __post_init__(self) -> None:
         growth = require_number("growth_factor", self.growth_factor)
         if not (growth > 1.0 and math.isfinite(growth)):
@@ -165,6 +167,10 @@ class ScalePolicy(Policy):
         values = (growth, backoff, interval, hysteresis, *bounds, self.backoff_on_nonfinite_loss)
         for field, value in zip(dataclasses.fields(self), values, strict=True):
             object.__setattr__(self, field.name, value)  # plain Python numbers from here on
+        # Whether this is torch's own rule, which torch's fused kernel applies (asked at every
+        # update: kept, not computed).
+        kernel = hysteresis == 1 and bounds[0] is None and bounds[1] is None
+        object.__setattr__(self, "_torch_kernel", kernel)
 
     @property
     def holds_on_nonfinite_loss(self) -> bool:
@@ -178,11 +184,6 @@ class ScalePolicy(Policy):
             return scale
         lowered = scale * self.backoff_factor * (1.0 - 2.0**-20)
         return lowered if self.min_scale is None else max(lowered, self.min_scale)
-
-    @property
-    def _torch_kernel(self) -> bool:
-        """Whether this is torch's own rule, which torch's fused kernel applies."""
-        return self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
 
     def _bound(self, name: str) -> float | None:
         bound = getattr(self, name)
