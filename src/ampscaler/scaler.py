@@ -627,7 +627,7 @@ class GradScaler(TorchPrivateNames):
         if new_scale is None and found_inf is not None and compiling and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
-            self._end(iteration, found_inf, live.scale, None, live)
+            self._end(iteration, found_inf, live.scale, None, live, compiling)
             return
         spiked = flag_sum(iteration.spikes()) if self._guards.active else None
         old_scale = self._move(new_scale, found_inf, spiked, live, compiling)
@@ -636,7 +636,7 @@ class GradScaler(TorchPrivateNames):
             return
         if spiked is not None:
             self._guards.end_iteration((found_inf + spiked) > 0)
-        self._end(iteration, found_inf, old_scale, spiked, live)
+        self._end(iteration, found_inf, old_scale, spiked, live, compiling)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
 
@@ -701,6 +701,7 @@ class GradScaler(TorchPrivateNames):
         old_scale: torch.Tensor,
         spiked: torch.Tensor | None,
         live: LiveState,
+        compiling: bool,
     ) -> None:
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
@@ -708,7 +709,7 @@ class GradScaler(TorchPrivateNames):
         self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
             self._bf16.stop()
-        self._monitor.after_update(iteration, live.counters)
+        self._monitor.after_update(iteration, live.counters, compiling)
 
     def _check_persistent_overflow(self, live: LiveState, limit: int) -> None:
         in_a_row = int(live.counters.consecutive_skips.item())

@@ -272,9 +272,10 @@ class Monitor:
                     self._collapse_callbacks,
                 )
 
-    def after_update(self, iteration: Iteration, counters: StepCounters) -> None:
+    def after_update(self, iteration: Iteration, counters: StepCounters, compiling: bool) -> None:
         """End the iteration: emit its record if anything consumes records; move the probe
-        and the collapse watch on.
+        and the collapse watch on (not under ``torch.compile``: ``compiling``, as the caller
+        knows it).
 
         ``iteration`` holds its outcome (``found_inf``, ``spiked``, the scale it ran at as a
         copy, and the live ``new_scale``, read only here); ``counters`` have counted it.
@@ -291,7 +292,7 @@ class Monitor:
             self._finished, self._current = current, _NOTHING_OBSERVED
         else:
             self._finished = _NOTHING_OBSERVED
-        if not torch.compiler.is_compiling() and self.collapse.due():
+        if not compiling and self.collapse.due():
             new_scale = iteration.new_scale
             assert new_scale is not None  # set by update()
             self.collapse.look(
