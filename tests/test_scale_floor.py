@@ -8,6 +8,7 @@ parameters without a skip, and its state dict (scale 0.0) is one ampscaler refus
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampscaler
@@ -227,3 +230,61 @@ def test_the_bound_is_renewed_where_the_host_never_learns_the_outcome() -> None:
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
     clamps = [_clamps_in_update(scaler, 1.0, fused=True) for _ in range(160)]
     assert clamps == [0] * 160
+
+
+@dataclasses.dataclass(frozen=True)
+class _AlwaysClamped(ampscaler.ScalePolicy):
+    """torch's rule with no bound on the host: the scaler clamps after every update."""
+
+    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
+        return 0.0
+
+
+_FLOOR_STEP = st.tuples(
+    st.sampled_from([True, True, False]),  # the gradients overflow (mostly: to the floor)
+    st.sampled_from(["", "", "", "read", "set", "write"]),  # what the loop does besides
+    st.sampled_from([2.0**-125, 2.0**-120, 3.0e-38, 1.0, 65536.0]),  # the value it sets
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fused=st.booleans(),
+    backoff=st.sampled_from([0.5, 0.25, 0.1, 0.999]),
+    hysteresis=st.sampled_from([1, 2]),
+    start=st.sampled_from([2.0**-124, 2.0**-110, 1.0, 65536.0]),
+    steps=st.lists(_FLOOR_STEP, min_size=1, max_size=40),
+)
+def test_skipping_the_clamp_never_changes_a_scale(
+    fused: bool, backoff: float, hysteresis: int, start: float, steps: list[Any]
+) -> None:
+    """Side by side with a scaler that clamps after every update, through overflows, reads,
+    update(new_scale) and writes to ``_scale`` from outside: the same scale after every update,
+    never below the floor."""
+    rule = {"backoff_factor": backoff, "hysteresis": hysteresis, "growth_interval": 2}
+    ours = ampscaler.GradScaler("cpu", init_scale=start, policy=ampscaler.ScalePolicy(**rule))
+    twin = ampscaler.GradScaler("cpu", init_scale=start, policy=_AlwaysClamped(**rule))
+    loops = []
+    for scaler in (ours, twin):
+        model = torch.nn.Linear(2, 1)
+        loops.append((scaler, model, torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ampscaler.ScaleFloorWarning)
+        for overflow, besides, value in steps:
+            scales = []
+            for scaler, model, opt in loops:
+                opt.zero_grad()
+                loss = model(torch.ones(1, 2)).sum() * (float("inf") if overflow else 1.0)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                if besides == "set":
+                    scaler.update(value)
+                else:
+                    scaler.update()
+                if besides == "read":
+                    scaler.get_scale()
+                if besides == "write":
+                    scaler._scale.fill_(value)
+                scales.append(scaler._scale.item())
+            assert scales[0] == scales[1]
+            assert scales[0] >= LOWEST_SCALE
