@@ -342,6 +342,41 @@ def test_an_optimizer_gone_is_forgotten_and_never_mistaken_for_a_new_one() -> No
         del fresh
 
 
+def test_the_scaler_does_not_keep_a_losss_autograd_graph_alive() -> None:
+    """The losses kept for the skip's cause are detached: once the loop drops its loss, the
+    graph behind it (here a node holding a marker object) is gone, though the scaler keeps
+    the last iteration for its report."""
+    import gc
+    import weakref
+
+    class Marker:
+        pass
+
+    class Tagged(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, marker: Marker) -> torch.Tensor:
+            ctx.marker = marker
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return grad, None
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu")
+    marker = Marker()
+    held = weakref.ref(marker)
+    loss = Tagged.apply(_loss(model, 0), marker)
+    del marker
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    del loss
+    gc.collect()
+    assert held() is None
+
+
 # ---------------------------------------------------------------- the wrong precision
 
 

@@ -166,8 +166,8 @@ class Iteration:
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
-        losses: the losses given to ``scale()``, as given (read detached, only on skipped
-            steps and by guards).
+        losses: the losses given to ``scale()``, detached (read only on skipped steps and by
+            guards).
         scale: the live scale while the iteration runs; after ``update()`` a copy of the scale
             it ran at.
         start_scale: a copy of the scale the iteration runs at, when one was made (the first
@@ -220,12 +220,12 @@ class Iteration:
         return any(record.stage is OptState.STEPPED for record in self.records.values())
 
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
-        """Keep a loss given to ``scale()`` (as given: read detached, and only on skipped steps
-        and by guards; no device work unless many are kept, when they are summed into one);
-        with ``flag``, also fold whether it is inf/NaN into :attr:`local_loss_flag` (two small
-        device ops; no host sync)."""
+        """Keep a loss given to ``scale()`` (detached: the iteration, kept until the next one
+        ends, must not hold the autograd graph; no other device work unless many are kept,
+        when they are summed into one); with ``flag``, also fold whether it is inf/NaN into
+        :attr:`local_loss_flag` (two small device ops; no host sync)."""
         losses = self.losses
-        losses.append(loss)
+        losses.append(loss.detach())
         if flag:
             bad = (~torch.isfinite(losses[-1]).all()).to(torch.float32)
             previous = self.local_loss_flag
@@ -334,8 +334,8 @@ class Iteration:
 
 
 def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:
-    """The losses summed into one float32 value, on the first one's device (detached)."""
+    """The losses summed into one float32 value, on the first one's device."""
     device = losses[0].device
     if len(losses) == 1:
-        return losses[0].detach().to(torch.float32).sum()
-    return torch.stack([loss.detach().to(device, torch.float32).sum() for loss in losses]).sum()
+        return losses[0].to(torch.float32).sum()
+    return torch.stack([loss.to(device, torch.float32).sum() for loss in losses]).sum()
