@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -254,6 +254,13 @@ _FLOOR_STEP = st.tuples(
     hysteresis=st.sampled_from([1, 2]),
     start=st.sampled_from([2.0**-124, 2.0**-110, 1.0, 65536.0]),
     steps=st.lists(_FLOOR_STEP, min_size=1, max_size=40),
+)
+@example(  # a copy of the scale taken before update(new_scale) must not renew the bound
+    fused=False,
+    backoff=0.25,
+    hysteresis=1,
+    start=2.0**-110,
+    steps=[(True, "", 1.0), (True, "set", 2.0**-125), (True, "", 1.0)],
 )
 def test_skipping_the_clamp_never_changes_a_scale(
     fused: bool, backoff: float, hysteresis: int, start: float, steps: list[Any]

@@ -342,10 +342,13 @@ def test_an_optimizer_gone_is_forgotten_and_never_mistaken_for_a_new_one() -> No
         del fresh
 
 
-def test_the_scaler_does_not_keep_a_losss_autograd_graph_alive() -> None:
-    """The losses kept for the skip's cause are detached: once the loop drops its loss, the
-    graph behind it (here a node holding a marker object) is gone, though the scaler keeps
-    the last iteration for its report."""
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("overflow", [False, True], ids=["clean", "skipped"])
+def test_the_scaler_does_not_keep_a_losss_autograd_graph_alive(fused: bool, overflow: bool) -> None:
+    """The losses kept for the skip's cause are let go of at ``update()`` (dropped where the
+    iteration was clean, detached otherwise): once the loop drops its loss, the graph behind
+    it (here a node holding a marker object) is gone, though the scaler keeps the last
+    iteration for its report, which still names the cause."""
     import gc
     import weakref
 
@@ -363,11 +366,11 @@ def test_the_scaler_does_not_keep_a_losss_autograd_graph_alive() -> None:
             return grad, None
 
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
     scaler = ampscaler.GradScaler("cpu")
     marker = Marker()
     held = weakref.ref(marker)
-    loss = Tagged.apply(_loss(model, 0), marker)
+    loss = Tagged.apply(_loss(model, 0) * (float("inf") if overflow else 1.0), marker)
     del marker
     scaler.scale(loss).backward()
     scaler.step(opt)
@@ -375,6 +378,10 @@ def test_the_scaler_does_not_keep_a_losss_autograd_graph_alive() -> None:
     del loss
     gc.collect()
     assert held() is None
+    assert scaler.last_step_skipped is overflow
+    if overflow:
+        report = scaler.last_overflow
+        assert report is not None and report.cause == "loss"
 
 
 # ---------------------------------------------------------------- the wrong precision

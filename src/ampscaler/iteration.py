@@ -166,8 +166,8 @@ class Iteration:
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
-        losses: the losses given to ``scale()``, detached (read only on skipped steps and by
-            guards).
+        losses: the losses given to ``scale()`` (read detached, only on skipped steps and by
+            guards; after ``update()`` detached, or none where it was clean).
         scale: the live scale while the iteration runs; after ``update()`` a copy of the scale
             it ran at.
         start_scale: a copy of the scale the iteration runs at, when one was made (the first
@@ -220,12 +220,12 @@ class Iteration:
         return any(record.stage is OptState.STEPPED for record in self.records.values())
 
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
-        """Keep a loss given to ``scale()`` (detached: the iteration, kept until the next one
-        ends, must not hold the autograd graph; no other device work unless many are kept,
-        when they are summed into one); with ``flag``, also fold whether it is inf/NaN into
-        :attr:`local_loss_flag` (two small device ops; no host sync)."""
+        """Keep a loss given to ``scale()`` (as given, until :meth:`let_go_of_losses`; no
+        device work unless many are kept, when they are summed into one); with ``flag``, also
+        fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops; no host
+        sync)."""
         losses = self.losses
-        losses.append(loss.detach())
+        losses.append(loss)
         if flag:
             bad = (~torch.isfinite(losses[-1]).all()).to(torch.float32)
             previous = self.local_loss_flag
@@ -233,6 +233,16 @@ class Iteration:
         if len(losses) > _KEEP_LOSSES:
             losses[:] = [_loss_sum(losses)]
             self.losses_summed = True
+
+    def let_go_of_losses(self, clean: bool) -> None:
+        """At ``update()``: the iteration is kept for its report until the next one ends, and
+        must not hold the autograd graph behind the losses. A ``clean`` iteration (known on
+        the host to have overflowed nowhere: no skip's cause will be asked) drops them, with
+        no device work; any other keeps them detached."""
+        if clean:
+            self.losses.clear()
+        else:
+            self.losses[:] = [loss.detach() for loss in self.losses]
 
     def loss(self) -> torch.Tensor | None:
         """The sum of the iteration's losses so far, unscaled (on the device; ``None`` when
@@ -283,9 +293,10 @@ class Iteration:
         flags = [found, self.spiked, self.cause_flag()]
         return torch.stack([torch.zeros_like(found) if f is None else f.to(found) for f in flags])
 
-    def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The inf flags of the optimizers that were checked, and their sum (> 0 iff any
-        overflowed; ``None`` for none). No host sync."""
+    def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None]:
+        """The inf flags of the optimizers that were checked, their sum (> 0 iff any
+        overflowed; ``None`` for none), and whether any overflowed where the host knows it
+        (:meth:`overflow_known`). No host sync."""
         flags = []
         total = None
         for record in self.records.values():
@@ -293,7 +304,7 @@ class Iteration:
             if flag is not None:
                 flags.append(flag)
                 total = flag if total is None else total + flag
-        return flags, total
+        return flags, total, self.overflow_known()
 
     def spikes(self) -> list[torch.Tensor]:
         """The guards' flags of the optimizers that had them."""
@@ -334,8 +345,8 @@ class Iteration:
 
 
 def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:
-    """The losses summed into one float32 value, on the first one's device."""
+    """The losses summed into one float32 value, on the first one's device (detached)."""
     device = losses[0].device
     if len(losses) == 1:
-        return losses[0].to(torch.float32).sum()
-    return torch.stack([loss.to(device, torch.float32).sum() for loss in losses]).sum()
+        return losses[0].detach().to(torch.float32).sum()
+    return torch.stack([loss.detach().to(device, torch.float32).sum() for loss in losses]).sum()

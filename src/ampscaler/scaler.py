@@ -318,11 +318,15 @@ class GradScaler(TorchPrivateNames):
         return scaled
 
     def _keep_loss(self, loss: torch.Tensor) -> None:
+        compiling = torch.compiler.is_compiling()
+        # Eagerly the loss is kept as given and let go of at update() (Iteration.
+        # let_go_of_losses); a compiled step keeps it detached: one path for every step.
+        kept = loss.detach() if compiling else loss
         # With a process group the loss flag is agreed at the check: kept as the losses come.
-        self._iteration.keep_loss(loss, flag=self._agreement is not None)
+        self._iteration.keep_loss(kept, flag=self._agreement is not None)
         # The meter's schedule is a Python count: read under torch.compile, it would be
         # guarded on (a recompile every iteration).
-        if self._meter is not None and not torch.compiler.is_compiling():
+        if self._meter is not None and not compiling:
             self._meter.start()
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -623,20 +627,21 @@ class GradScaler(TorchPrivateNames):
         iteration = self._iteration
         if self._agreement is not None:
             self._agreement.settle()
-        flags, found_inf = iteration.checked_flags()  # found_inf > 0 iff any overflowed
+        # found_inf > 0 iff any overflowed; overflowed: whether, where the host knows it
+        flags, found_inf, overflowed = iteration.checked_flags()
         if new_scale is None and found_inf is not None and compiling and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
-            self._end(iteration, found_inf, live.scale, None, live, compiling)
+            self._end(iteration, found_inf, live.scale, None, live, None, compiling)
             return
         spiked = flag_sum(iteration.spikes()) if self._guards.active else None
-        old_scale = self._move(new_scale, found_inf, spiked, live, compiling)
+        old_scale = self._move(new_scale, found_inf, spiked, live, overflowed, compiling)
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
             self._iteration = Iteration()
             return
         if spiked is not None:
             self._guards.end_iteration((found_inf + spiked) > 0)
-        self._end(iteration, found_inf, old_scale, spiked, live, compiling)
+        self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
 
@@ -646,9 +651,11 @@ class GradScaler(TorchPrivateNames):
         found_inf: torch.Tensor | None,
         spiked: torch.Tensor | None,
         live: LiveState,
+        overflowed: bool | None,
         compiling: bool,
     ) -> torch.Tensor:
-        """Set the scale to ``new_scale``, or move it by the policy (``compiling``: under
+        """Set the scale to ``new_scale``, or move it by the policy (``overflowed``: whether
+        the iteration overflowed, where the host knows it; ``compiling``: under
         ``torch.compile``); returns a copy of the scale before."""
         if new_scale is not None:
             value = new_scale_value(new_scale, self._state.policy)
@@ -665,7 +672,7 @@ class GradScaler(TorchPrivateNames):
             spiked,
             measured,
             iteration.cause_flag,
-            iteration.overflow_known(),
+            overflowed,
             iteration.start_scale,
             compiling,
         )
@@ -701,8 +708,11 @@ class GradScaler(TorchPrivateNames):
         old_scale: torch.Tensor,
         spiked: torch.Tensor | None,
         live: LiveState,
+        overflowed: bool | None,
         compiling: bool,
     ) -> None:
+        if not compiling:  # a compiled scale() kept them detached; nothing to branch on
+            iteration.let_go_of_losses(clean=overflowed is False)
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
         iteration.attempt = self._attempt

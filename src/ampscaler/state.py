@@ -623,8 +623,9 @@ class ScalerState:
         return live
 
     def _saw(self, value: float) -> None:
-        """The host learned the scale's value."""
+        """The host learned the scale's value (a copy on its way is older: dropped)."""
         self._know_lowest(value)
+        self._renewal = None
         if self._watch is not None:
             self._watch.saw(value)
 
