@@ -52,6 +52,7 @@ def main() -> None:
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:  # one line: the ranks' prints would interleave
         print(json.dumps(reports), flush=True)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
