@@ -308,17 +308,19 @@ class GradScaler(TorchPrivateNames):
         """
         if not self._enabled:
             return outputs
+        compiling = torch.compiler.is_compiling()
         # The losses are kept (not read) for the skip's cause and the guards.
-        if not torch.compiler.is_compiling() and self._bf16.active:
+        if not compiling and self._bf16.active:
             self._bf16.look_at_loss(outputs, self._device)
         if isinstance(outputs, torch.Tensor):
-            self._keep_loss(outputs)
+            self._keep_loss(outputs, compiling)
             return outputs * self._scale_on(outputs.device)
-        scaled: Iterable[torch.Tensor] = _scale_nested(outputs, self._scale_on, self._keep_loss)
+        scaled: Iterable[torch.Tensor] = _scale_nested(
+            outputs, self._scale_on, lambda loss: self._keep_loss(loss, compiling)
+        )
         return scaled
 
-    def _keep_loss(self, loss: torch.Tensor) -> None:
-        compiling = torch.compiler.is_compiling()
+    def _keep_loss(self, loss: torch.Tensor, compiling: bool) -> None:
         # Eagerly the loss is kept as given and let go of at update() (Iteration.
         # let_go_of_losses); a compiled step keeps it detached: one path for every step.
         kept = loss.detach() if compiling else loss
