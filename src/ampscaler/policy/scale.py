@@ -49,6 +49,7 @@ import torch
 
 from ..errors import InvalidConfigError, ScalerUsageError
 from .base import (
+    LOWEST_SCALE,
     BasicState,
     Policy,
     PolicyState,
@@ -215,8 +216,9 @@ class ScalePolicy(Policy):
 
         Pure (the input state is not modified) and free of host syncs. ``found_inf`` is a 0-dim
         float tensor on the state's device holding a count of non-finite checks (``>= 0``), as
-        the gradient check produces it. ``measured`` is not used. The scaler keeps the scale
-        at or above ``2**-126`` (see :meth:`lowest_after`).
+        the gradient check produces it. ``measured`` is not used. The scale it returns is at
+        least ``2**-126``, as the pseudo-code says (:meth:`update_` leaves that clamp to the
+        scaler, which applies it only where :meth:`lowest_after` cannot rule it out).
 
         With torch's rule (``hysteresis=1``, no bounds) and a float32 ``found_inf``, the
         transition is torch's own fused kernel ``torch._amp_update_scale_`` run on copies of the
@@ -227,6 +229,7 @@ class ScalePolicy(Policy):
             tracker = live.growth_tracker.clone()
             moved = ScaleState(live.scale.clone(), tracker, live.hysteresis_left)
             self.update_(moved, found_inf)
+            moved.scale.clamp_(min=LOWEST_SCALE)
             return moved
         overflow = found_inf > 0
         zero = torch.zeros((), dtype=torch.int32, device=live.scale.device)
@@ -255,7 +258,7 @@ class ScalePolicy(Policy):
             shrunk = torch.clamp_min(shrunk, self.min_scale)
 
         scale = torch.where(grow & torch.isfinite(grown), grown, live.scale)
-        scale = torch.where(backoff, shrunk, scale)
+        scale = torch.where(backoff, shrunk, scale).clamp_min(LOWEST_SCALE)
         return ScaleState(scale, growth_tracker, hysteresis_left)
 
     def update_(
