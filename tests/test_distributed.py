@@ -7,7 +7,9 @@ test below asserts on its part of the results. The single-process tests use a wo
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
+import weakref
 from typing import Any
 
 import pytest
@@ -245,3 +247,29 @@ def test_a_scaler_with_a_group_deep_copies_but_refuses_to_pickle(
     assert twin.get_scale() == 8.0
     with pytest.raises(TypeError, match=r"save scaler\.state_dict\(\)"):
         pickle.dumps(scaler)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("factory", [ampscaler.GradScaler, ampscaler.ShardedGradScaler])
+def test_a_scaler_with_a_group_is_freed_with_its_last_reference(
+    world_of_one: dist.ProcessGroup, factory: type, fused: bool
+) -> None:
+    """No reference cycle: a scaler, and with it its hold on the process groups, goes when the
+    loop drops it, not at some later garbage collection (at interpreter exit, gloo's threads
+    can then abort the process)."""
+    kwargs = {} if factory is ampscaler.ShardedGradScaler else {"process_group": world_of_one}
+    scaler = factory("cpu", init_scale=8.0, **kwargs)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+    for poison in (1.0, float("inf"), 1.0):
+        scaler.scale(model(torch.ones(1, 2)).sum() * poison).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler._agreement is not None
+    gone = weakref.ref(scaler)
+    gc.disable()
+    try:
+        del scaler
+        assert gone() is None
+    finally:
+        gc.enable()

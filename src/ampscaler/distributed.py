@@ -272,7 +272,6 @@ class RankAgreement:
         self._refuse_unchecked = refuse_unchecked
         self._pending: list[dist.Work] = []
         self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
-        self._settings: Callable[[], Mapping[str, SettingValue]] | None = None
         self._verdicts: list[torch.Tensor] = []  # launched, not yet settled
         # Whether a verdict settled since the last check had differing fingerprints (a bool on
         # the device), and the same on its way to the host (for the check at the next agree()).
@@ -370,8 +369,7 @@ class RankAgreement:
         Raises:
             InvalidConfigError: an earlier verdict's fingerprints differed (every rank raises).
         """
-        self._settings = settings
-        self._check_landed()
+        self._check_landed(settings)
         if self._compared is None:  # the first time, and after a load
             self._compared = _Compared(settings(), self._loads)
         no, yes = self._compared.constants(device)
@@ -455,6 +453,7 @@ class RankAgreement:
         self,
         local_flags: tuple[torch.Tensor | None, torch.Tensor | None],
         agreed: torch.Tensor,
+        settings: Callable[[], Mapping[str, SettingValue]],
         spike: torch.Tensor | None = None,
         micro_batch: Callable[[], int | None] = lambda: None,
     ) -> tuple[bool, Origins]:
@@ -462,7 +461,8 @@ class RankAgreement:
         whether every rank skips (for the agreed inf/NaN flag ``agreed``, or a guard's
         ``spike``), and then where the trouble came from (:meth:`origins` of this rank's
         ``local_flags`` and ``micro_batch()``, a collective every rank makes, as all of them
-        skip together).
+        skip together). ``settings()`` is what the ranks compare where the fingerprints
+        differed (as for :meth:`agree`).
 
         Raises:
             InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
@@ -480,7 +480,7 @@ class RankAgreement:
         self._mismatch = self._landing = None
         verdict, skipped = read[0], read[1]
         if verdict[_PRINT] != -verdict[_NEG_PRINT] or any(read[2:]):
-            self._stop()
+            self._stop(settings)
         if self._refuse_unchecked and verdict[_HELD] <= 0:
             raise ScalerUsageError(NO_GRADIENTS)
         if not skipped:
@@ -528,7 +528,7 @@ class RankAgreement:
             micro_batch=table[loss_ranks[0]][2] if loss_ranks else None,
         )
 
-    def _check_landed(self) -> None:
+    def _check_landed(self, settings: Callable[[], Mapping[str, SettingValue]]) -> None:
         """Raise on every rank if a verdict settled since the last check had differing
         fingerprints (waiting for its copy, which has normally landed long ago)."""
         landing = self._landing
@@ -536,17 +536,18 @@ class RankAgreement:
             return
         self._mismatch = self._landing = None
         if landing.wait():
-            self._stop()
+            self._stop(settings)
 
-    def _stop(self) -> None:
-        """Every rank found differing fingerprints in the same verdict: compare the settings
-        (one gather per group) and raise, naming the differences.
+    def _stop(self, settings: Callable[[], Mapping[str, SettingValue]]) -> None:
+        """Every rank found differing fingerprints in the same verdict: compare the
+        ``settings()`` (one gather per group) and raise, naming the differences. The callable
+        is not kept: it is the scaler's, and a reference to it here would make a cycle that
+        keeps the scaler, and its process groups, alive until the garbage collector runs.
 
         Raises:
             InvalidConfigError: always.
         """
-        assert self._settings is not None
-        self.check_settings({**self._settings(), LOADS: self._loads})
+        self.check_settings({**settings(), LOADS: self._loads})
         raise InvalidConfigError(
             "GradScaler settings or state differed across the ranks of process_group at the "
             "last step (a rank loaded a state_dict, called update(new_scale) or a setter, or "

@@ -519,6 +519,7 @@ class GradScaler(TorchPrivateNames):
             skipped, origins = self._agreement.decide(
                 (record.local_found_inf, self._iteration.local_loss_flag),
                 found_inf,
+                self._settings,
                 record.spike,
                 self._iteration.first_nonfinite_loss,
             )
