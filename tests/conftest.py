@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch.distributed as dist
@@ -16,6 +18,9 @@ from hypothesis import settings
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("repeatable")
+
+if TYPE_CHECKING:
+    from ampscaler.demo.run import DemoOutcome
 
 
 @pytest.fixture
@@ -44,3 +49,14 @@ def fresh_accelerate_state() -> Iterator[None]:
     reset()
     yield
     reset()
+
+
+@pytest.fixture(scope="session")
+def default_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[DemoOutcome, Path]:
+    """The demo with its default settings (about 8 s), run once for the tests that read it: its
+    outcome and the folder it wrote. Read-only for them."""
+    from ampscaler.demo import DemoConfig
+    from ampscaler.demo.run import run_demo
+
+    out = tmp_path_factory.mktemp("default-demo")
+    return run_demo(DemoConfig(), out, progress=False), out

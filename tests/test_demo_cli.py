@@ -12,7 +12,7 @@ from matplotlib.image import imread
 
 from ampscaler.cli import main
 from ampscaler.demo import FP16_AMPSCALER, FP16_HEADROOM, FP16_NO_SCALING, FP32, DemoConfig
-from ampscaler.demo.run import run_demo
+from ampscaler.demo.run import DemoOutcome, run_demo
 
 ARMS = [FP32, FP16_NO_SCALING, FP16_AMPSCALER]
 
@@ -100,9 +100,11 @@ def test_module_entry_point_runs() -> None:
 
 
 @pytest.mark.slow
-def test_default_demo_shows_underflow_and_its_rescue(tmp_path: Path) -> None:
+def test_default_demo_shows_underflow_and_its_rescue(
+    default_demo: tuple[DemoOutcome, Path],
+) -> None:
     """The documented claim: unscaled >= 1.5x the scaled arm, which is within 10% of fp32."""
-    outcome = run_demo(DemoConfig(), tmp_path, progress=False)
+    outcome, _ = default_demo
     final = {name: result.final_loss for name, result in outcome.results.items()}
     assert final[FP16_NO_SCALING] >= 1.5 * final[FP16_AMPSCALER]
     assert abs(final[FP16_AMPSCALER] - final[FP32]) <= 0.1 * final[FP32]

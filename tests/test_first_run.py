@@ -18,7 +18,7 @@ from matplotlib.image import imread
 import ampscaler
 from ampscaler.cli import main
 from ampscaler.demo import DemoConfig
-from ampscaler.demo.run import run_demo, summary_table
+from ampscaler.demo.run import DemoOutcome, run_demo, summary_table
 from ampscaler.observe.probe import ProbeResult
 from ampscaler.observe.records import StepRecord
 from ampscaler.report import render_report, scale_series
@@ -43,16 +43,18 @@ def test_readme_python_blocks_run_in_order_on_the_cpu(
     assert (tmp_path / "steps.jsonl").exists()  # the Diagnostics block's sink
 
 
-def test_readme_demo_table_and_images_are_what_the_demo_makes(tmp_path: Path) -> None:
+def test_readme_demo_table_and_images_are_what_the_demo_makes(
+    default_demo: tuple[DemoOutcome, Path],
+) -> None:
     """On any machine: the demo computes with one thread, so its numbers are the README's."""
-    outcome = run_demo(DemoConfig(), tmp_path, progress=False)
+    outcome, written_to = default_demo
     shown = re.search(r"```\n(arm +final loss.*?\n)```", README, re.S)
     assert shown is not None
     assert summary_table(outcome) + "\n" == shown.group(1), (
         "README.md's demo table is out of date: PYTHONPATH=src python scripts/update_readme_demo.py"
     )
     for written, in_docs in (("loss.png", "demo-loss.png"), ("scale.png", "demo-scale.png")):
-        fresh = imread(tmp_path / written)
+        fresh = imread(written_to / written)
         documented = imread(ROOT / "docs" / "images" / in_docs)
         assert fresh.shape == documented.shape
         assert float(np.abs(fresh - documented).mean()) < 0.01, in_docs
