@@ -14,7 +14,13 @@ fused Adam) and cost nothing where they are not (<= 1.05).
 As the physical reference it also times one read+write pass (``mul_(1.0)``) and one read-only
 pass (``sum()``) over a flat buffer as large as all the gradients together.
 
-A fifth variant, ampscaler's defaults with a :class:`~ampscaler.SpikeGuard` added, gives what
+Where the opt-in scaler moved the gradients into one flat buffer, a ``floor`` variant does by
+hand only the work its route cannot avoid: one check kernel over that buffer, then the
+optimizer's own step with the flag (a fused optimizer is handed it, any other reads it and
+steps): what a scaler with no bookkeeping of its own would cost on that route (``floor ms``,
+and its ratio to torch's).
+
+A further variant, ampscaler's defaults with a :class:`~ampscaler.SpikeGuard` added, gives what
 the guard costs on a clean step (``guard ms``: its overhead minus the defaults'), set against
 the read-only pass (``guard / read``; the target is under one pass, ratio < 1).
 
@@ -98,6 +104,7 @@ class Row:
     read_pass: float | None
     flat_overhead: float | None = None
     guard_overhead: float | None = None
+    floor_overhead: float | None = None
 
     @property
     def guard_extra(self) -> float | None:
@@ -116,6 +123,10 @@ class Row:
     @property
     def flat_ratio(self) -> float | None:
         return None if self.flat_overhead is None else self.flat_overhead / self.torch_overhead
+
+    @property
+    def floor_ratio(self) -> float | None:
+        return None if self.floor_overhead is None else self.floor_overhead / self.torch_overhead
 
 
 def synchronize(device: torch.device) -> None:
@@ -215,18 +226,20 @@ def calls_case(
         else:
             torch._foreach_copy_([p.grad for p in params], saved)
 
-    timings = interleave(
-        {
-            "plain": optimizer.step,
-            "torch": lambda: scaler_step(theirs, optimizer, loss),
-            "ampscaler": lambda: scaler_step(ours, optimizer, loss),
-            "flat": lambda: scaler_step(flat, optimizer, loss),
-            "guarded": lambda: scaler_step(guarded, optimizer, loss),
-        },
-        prepare,
-        args,
-        device,
-    )
+    variants = {
+        "plain": optimizer.step,
+        "torch": lambda: scaler_step(theirs, optimizer, loss),
+        "ampscaler": lambda: scaler_step(ours, optimizer, loss),
+        "flat": lambda: scaler_step(flat, optimizer, loss),
+        "guarded": lambda: scaler_step(guarded, optimizer, loss),
+    }
+    for _ in range(3):  # the opt-in scaler builds its flat buffer on the second step
+        prepare()
+        scaler_step(flat, optimizer, loss)
+    buffer = planned_buffer(flat, optimizer)
+    if buffer is not None:
+        variants["floor"] = floor_step(buffer, optimizer)
+    timings = interleave(variants, prepare, args, device)
     if not ours.get_scale() == flat.get_scale() == guarded.get_scale() == theirs.get_scale():
         raise AssertionError(f"{name}: the scalers disagree on the scale")
     if guarded.stats.spike_skips:
@@ -242,7 +255,46 @@ def calls_case(
         read_pass,
         timings.overhead("flat"),
         timings.overhead("guarded"),
+        timings.overhead("floor") if buffer is not None else None,
     )
+
+
+def planned_buffer(
+    scaler: ampscaler.GradScaler, optimizer: torch.optim.Optimizer
+) -> torch.Tensor | None:
+    """The flat buffer the opt-in ``scaler`` checks all of ``optimizer``'s gradients in, or
+    ``None`` where it keeps some apart (or none). Read from the scaler's private plan
+    (``ampscaler.grads.flat``): a new tensor over the buffer's memory would raise its storage's
+    use count, which the plan takes as a sign of sharing and drops itself."""
+    entry = scaler._planner._entries.get(optimizer) if scaler._planner is not None else None
+    plan = None if entry is None else entry.plan
+    if plan is None or plan.kept or len(plan.groups) != 1:
+        return None
+    (per_dtype,) = plan.groups.values()
+    if len(per_dtype) != 1:
+        return None
+    (tensors,) = per_dtype.values()
+    return tensors[0] if len(tensors) == 1 else None
+
+
+def floor_step(buffer: torch.Tensor, optimizer: torch.optim.Optimizer) -> Callable[[], object]:
+    """What the opt-in route cannot avoid, by hand: one check kernel over ``buffer`` (which
+    unscales it), then the optimizer's step with the flag."""
+    flag = torch.zeros((), device=buffer.device)
+    inverse = torch.full((), 1.0 / LOSS_SCALE, device=buffer.device)
+    fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+
+    def step() -> None:
+        flag.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_([buffer], flag, inverse)
+        if fused:
+            optimizer.found_inf = flag  # type: ignore[attr-defined]
+            optimizer.step()
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        elif not flag.item():
+            optimizer.step()
+
+    return step
 
 
 class TinyTransformer(torch.nn.Module):
@@ -379,8 +431,8 @@ def verdict(ratio: float | None, target: float | None) -> str:
 def print_table(rows: list[Row]) -> None:
     header = (
         f"{'case':<26} {'torch ms':>9} {'defaults ms':>12} {'ratio (target)':>17} "
-        f"{'opt-in ms':>14} {'ratio (target)':>17} {'r+w ms':>7} {'read ms':>8} "
-        f"{'plain ms':>9} {'guard ms':>9} {'guard / read':>13}"
+        f"{'opt-in ms':>14} {'ratio (target)':>17} {'floor ms':>9} {'ratio':>6} "
+        f"{'r+w ms':>7} {'read ms':>8} {'plain ms':>9} {'guard ms':>9} {'guard / read':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -389,7 +441,9 @@ def print_table(rows: list[Row]) -> None:
         print(
             f"{row.case:<26} {ms(row.torch_overhead):>9} {ms(row.amp_overhead):>12} "
             f"{verdict(row.ratio, DEFAULT_TARGET):>17} {ms(row.flat_overhead):>14} "
-            f"{verdict(row.flat_ratio, flat_target):>17} {ms(row.rw_pass):>7} "
+            f"{verdict(row.flat_ratio, flat_target):>17} {ms(row.floor_overhead):>9} "
+            f"{'-' if row.floor_ratio is None else f'{row.floor_ratio:.2f}':>6} "
+            f"{ms(row.rw_pass):>7} "
             f"{ms(row.read_pass):>8} {ms(row.plain):>9} {ms(row.guard_extra):>9} "
             f"{verdict(row.guard_ratio, 1.0):>13}"
         )
