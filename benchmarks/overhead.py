@@ -292,7 +292,7 @@ def floor_step(
     fused = getattr(optimizer, "_step_supports_amp_scaling", False)
 
     def step() -> None:
-        loss * scale
+        loss * scale  # what scale(loss) computes
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
         if not all(map(operator.is_, grads, planned)):
             raise AssertionError("the gradients left the flat buffer")
