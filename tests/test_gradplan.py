@@ -422,3 +422,43 @@ def test_flattening_happens_only_where_it_pays() -> None:
     assert _planned_after_two_steps(64, 1000)
     assert not _planned_after_two_steps(8, 1000)  # too few to save anything
     assert not _planned_after_two_steps(20, 2**17)  # large: the fixed cost per tensor is noise
+
+
+@pytest.mark.real_thresholds
+def test_where_flattening_cannot_pay_the_gradients_are_not_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A few large gradients: the planner does not read them step after step looking for a
+    plan it would refuse (what made ``flat_grads=True`` dearer than the defaults there). Once
+    the parameters change so that it could pay, it looks again, and flattens."""
+    built: list[torch.optim.Optimizer] = []
+
+    def counted(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Any:
+        built.append(optimizer)
+        return build_plan(optimizer, allow_fp16)
+
+    build_plan = flat.build_plan
+    monkeypatch.setattr(flat, "build_plan", counted)
+    large = [torch.nn.Parameter(torch.zeros(2**17)) for _ in range(20)]
+    optimizer = torch.optim.SGD(large, lr=0.1)
+    scaler = ampscaler.GradScaler("cpu", flat_grads=True, growth_interval=100)
+
+    def step(params: list[torch.nn.Parameter]) -> None:
+        for param in params:
+            param.grad = torch.ones_like(param) if param.grad is None else param.grad.fill_(1.0)
+        scaler.scale(torch.tensor(1.0))
+        scaler.step(optimizer)
+        scaler.update()
+        for param in params:  # checked and unscaled, planned or not
+            assert torch.equal(param.grad, torch.full_like(param, 2.0**-16))
+
+    for _ in range(8):
+        step(large)
+    entry = scaler._planner._entries[optimizer] if scaler._planner else None
+    assert entry is not None and not entry.could_pay
+    assert built == [] and entry.last_ids == [] and entry.plan is None
+    small = [torch.nn.Parameter(torch.zeros(100)) for _ in range(32)]
+    optimizer.add_param_group({"params": small})
+    for _ in range(3):
+        step(large + small)
+    assert entry.could_pay and built and entry.plan is not None

@@ -30,6 +30,10 @@ lowers that count. Anything else (a new parameter group, a gradient set to ``Non
 drops the plan and the gradients are grouped afresh; a plan is never used stale. A count that
 rises (a new view of a gradient kept somewhere) also drops it, costing only speed.
 Optimizers with sparse gradients or with tensor-subclass gradients (``DTensor``) get no plan.
+Nor do optimizers whose parameters could not pay even were every gradient movable (a few
+large tensors per device and dtype: :data:`MIN_FLATTENED`, :data:`MAX_MEAN_NUMEL`): their
+gradients are not followed from step to step at all, and are grouped as without the option,
+until the number of parameters in a group changes.
 
 Loops that replace their gradients every step (``zero_grad()``'s default
 ``set_to_none=True``) are recognized by the gradients' ids and get no plan; when the ids of
@@ -119,6 +123,10 @@ class _Entry:
     last_ids: list[int] = field(default_factory=list)
     streak: int = 0
     patience: int = 1
+    # The parameter count of each group when it was last judged whether flattening could pay
+    # for these parameters at all (``could_pay``); judged again when the counts change.
+    judged: list[int] | None = None
+    could_pay: bool = True
 
     def drop(self) -> None:
         self.plan = None
@@ -180,10 +188,26 @@ MIN_FLATTENED = 16
 MAX_MEAN_NUMEL = 2**16
 
 
-def _pays(movable: list[torch.Tensor]) -> bool:
-    """Whether moving ``movable`` into one buffer saves time (see :data:`MIN_FLATTENED`)."""
-    count = len(movable)
-    return count >= MIN_FLATTENED and sum(g.numel() for g in movable) <= MAX_MEAN_NUMEL * count
+def _pays(numels: list[int]) -> bool:
+    """Whether moving tensors of ``numels`` elements into one buffer saves time (see
+    :data:`MIN_FLATTENED`)."""
+    count = len(numels)
+    return count >= MIN_FLATTENED and sum(numels) <= MAX_MEAN_NUMEL * count
+
+
+def _could_pay(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether flattening could pay for some device and dtype of ``optimizer``'s parameters,
+    were every gradient movable (a dense gradient has its parameter's shape, device and dtype).
+    Where it could not, as for a few large tensors, the planner does not follow the gradients
+    at all: the defaults' grouping, at the defaults' cost.
+
+    Raises:
+        TypeError: a parameter that is not a tensor.
+    """
+    numels: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for _, _, param in iter_params(optimizer):
+        numels.setdefault((param.device, param.dtype), []).append(param.numel())
+    return any(map(_pays, numels.values()))
 
 
 def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan | None:
@@ -216,7 +240,7 @@ def build_plan(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> GradPlan |
         for dtype, bucket in per_dtype.items():
             alone = _unshared(bucket) if distinct else [False] * len(bucket)
             movable = [g for g, sole in zip(bucket, alone, strict=True) if sole and _movable(g)]
-            if _pays(movable):
+            if _pays([grad.numel() for grad in movable]):
                 moved_ids.update(id(grad) for grad in movable)
                 kept = [grad for grad in bucket if id(grad) not in moved_ids]
                 flat = _flatten_(movable)
@@ -270,6 +294,13 @@ class GradPlanner:
             if entry is None:
                 entry = self._entries[optimizer] = _Entry()
         except TypeError:  # not hashable or not weakly referenceable: nothing to remember by
+            return collect(optimizer, allow_fp16=allow_fp16, local=local)
+        counts = [len(group["params"]) for group in optimizer.param_groups]
+        if counts != entry.judged:
+            entry.could_pay = _could_pay(optimizer)  # a parameter not a tensor raises here
+            entry.judged = counts
+        if not entry.could_pay:
+            entry.plan = None  # made for other parameters: its buffer goes
             return collect(optimizer, allow_fp16=allow_fp16, local=local)
         try:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
