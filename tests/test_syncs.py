@@ -180,12 +180,13 @@ def test_the_counter_sees_a_sync() -> None:
 @pytest.mark.parametrize(("steps", "overflow_every"), [(4, None), (400, 2)])
 def test_fused_path_never_syncs_on_cuda(steps: int, overflow_every: int | None) -> None:
     """The long run overflows on every other step: the bound on the scale's exponent runs low
-    and is renewed from non-blocking copies, and the fast route stays on throughout."""
+    and is renewed from non-blocking copies, and the one-pass route (opt-in since the defaults
+    became torch's route) stays on throughout."""
     model = torch.nn.Linear(64, 64).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     routes: list[bool] = []
     opt.register_step_pre_hook(lambda o, a, k: routes.append(o.grad_scale is None))
-    scaler = ampscaler.GradScaler("cuda", growth_interval=1, flat_grads=True)
+    scaler = ampscaler.GradScaler("cuda", growth_interval=1, flat_grads=True, one_pass_fused=True)
     for step in range(steps):
         loss = model(torch.ones(8, 64, device="cuda")).float().sum()
         if overflow_every and step % overflow_every:
