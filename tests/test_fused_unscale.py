@@ -311,3 +311,45 @@ def test_a_scale_backed_off_150_times_stops_at_two_to_the_minus_126_on_the_fast_
         )
     _assert_same(ours, default)
     assert routes == ["check"] * 162 and default_routes == ["kernel"] * 162
+
+
+def test_the_watch_starts_at_the_first_fused_step_and_costs_plain_steps_nothing() -> None:
+    """The power-of-two watch serves fused optimizers only: a scaler that steps plain ones
+    keeps none (its updates run no watch). A fused optimizer that joins after some updates
+    takes the one-pass route from its first step (the scale's value, not known on the host
+    after those updates, is copied without waiting), bit for bit as with torch's scaler."""
+
+    def run(factory: Callable[..., Any]) -> tuple[list[torch.Tensor], Routes, Any]:
+        torch.manual_seed(0)
+        plain, fused = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+        sgd = torch.optim.SGD(plain.parameters(), lr=1e-2, momentum=0.9)
+        adam = FUSED["adam"](list(fused.parameters()))
+        routes: Routes = []
+        _record_routes(adam, routes)
+        scaler = factory("cpu", init_scale=2.0**10, growth_interval=2)
+        trace: list[torch.Tensor] = []
+        gen = torch.Generator().manual_seed(1)
+        for step in range(10):
+            x = torch.randn(4, 5, generator=gen)
+            models = [plain] if step < 5 else [plain, fused]
+            scaler.scale(sum(model(x).square().mean() for model in models)).backward()
+            if step in (2, 7):
+                plain.weight.grad[0, 0] = float("inf")
+            for opt in [sgd] if step < 5 else [sgd, adam]:
+                scaler.step(opt)
+            scaler.update()
+            if step == 4 and isinstance(scaler, ampscaler.GradScaler):
+                assert scaler._state._watch is None
+            trace += [p.detach().clone() for m in models for p in m.parameters()]
+            trace.append(scaler._scale.clone())  # not get_scale(): the host must not learn it
+            sgd.zero_grad()
+            adam.zero_grad()
+        return trace, routes, scaler
+
+    ours, routes, scaler = run(_one_pass)
+    theirs, torch_routes, _ = run(torch.amp.GradScaler)
+    _assert_same(ours, theirs)
+    assert routes == ["check"] * 5 and torch_routes == ["kernel"] * 5
+    assert scaler._state._watch is not None
+    scales = [float(t) for t in ours if t.dim() == 0]
+    assert len(set(scales[:5])) > 1  # the scale moved before the first fused step

@@ -256,8 +256,6 @@ class GradScaler(TorchPrivateNames):
             process_group, self._refuses_unchecked
         )
         self._state = ScalerState(chosen, self._init_scale)
-        if self._fused.one_pass:
-            self._state.watch_powers_of_two()
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
         self._attempt = 0  # the try at the batch in progress (attempts())
@@ -557,7 +555,10 @@ class GradScaler(TorchPrivateNames):
         grad_scale: torch.Tensor | None = getattr(optimizer, "grad_scale", None)
         if record.stage is OptState.READY:
             groups = self._collect(optimizer, live, allow_fp16=True)
-            exact = self._fused.one_pass and self._state.exact_reciprocal
+            one_pass = self._fused.one_pass
+            if one_pass:  # watched from the first fused step on: nothing to pay before
+                self._state.watch_powers_of_two()
+            exact = one_pass and self._state.exact_reciprocal
             multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
             self._check(groups, record, live, multiplier)
         agreement = self._agreement

@@ -352,6 +352,10 @@ class ScalerState:
         # counter when it was known; see _keep_above_floor().
         self._lowest = float32_value(scale)
         self._lowest_version = 0
+        # The last value of the scale the host read or set, and the version counter the scale
+        # was at then (a later write bumps it: the value is then no longer known).
+        self._value = self._lowest
+        self._value_version = 0
         self._updates = 0  # updates that followed the bound
         self._renewal: HostCopy | None = None  # a copy of the scale on its way to the host
 
@@ -587,13 +591,22 @@ class ScalerState:
 
     def watch_powers_of_two(self) -> None:
         """From now on, know on the host whether the scale is a power of two (see
-        :attr:`exact_reciprocal`); a few Python operations per update."""
-        if self._watch is None:
-            self._watch = Pow2Watch(self._policy.power_of_two)
-            live = self._live
-            if live is not None:
-                self._watch.follow(live.scale)
-            self._watch.saw(self.scale_value())
+        :attr:`exact_reciprocal`); a few Python operations per update. No host sync: where
+        the host does not know the scale's value now, a copy of it starts on its way without
+        waiting, and the watch knows once it has landed (at once on the CPU)."""
+        if self._watch is not None:
+            return
+        self._apply_pending()
+        watch = self._watch = Pow2Watch(self._policy.power_of_two)
+        live = self._live
+        if live is None:
+            watch.saw(self._host.scale)
+            return
+        watch.follow(live.scale)
+        if live.scale._version == self._value_version:  # nothing wrote it since it was known
+            watch.saw(self._value)
+        else:
+            watch.forget(live.scale)
 
     @property
     def exact_reciprocal(self) -> bool:
@@ -609,7 +622,7 @@ class ScalerState:
         host = self._host
         tensors = self._policy.initial_state(host.scale, device, host.values())
         self._live = LiveState(tensors, host.stats)
-        self._know_lowest(float32_value(host.scale))
+        self._know_value(float32_value(host.scale))
         self._pending = (self._nothing(device),)
         if self._watch is not None:
             self._watch.follow(self._live.scale)
@@ -624,16 +637,17 @@ class ScalerState:
 
     def _saw(self, value: float) -> None:
         """The host learned the scale's value (a copy on its way is older: dropped)."""
-        self._know_lowest(value)
+        self._know_value(value)
         self._renewal = None
         if self._watch is not None:
             self._watch.saw(value)
 
-    def _know_lowest(self, lowest: float) -> None:
-        """The scale is at least ``lowest`` now, as written (its version counter) by now."""
-        self._lowest = lowest
+    def _know_value(self, value: float) -> None:
+        """The scale is ``value`` now (so at least that), as written (its version counter) by
+        now."""
+        self._lowest = self._value = value
         if self._live is not None:
-            self._lowest_version = self._live.scale._version
+            self._lowest_version = self._value_version = self._live.scale._version
 
     def _known_lowest(self, scale: torch.Tensor) -> float:
         """Before an eager update: the bound on ``scale`` the host knows (0.0 when something
