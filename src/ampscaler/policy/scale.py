@@ -231,6 +231,12 @@ class ScalePolicy(Policy):
             self.update_(moved, found_inf)
             moved.scale.clamp_(min=LOWEST_SCALE)
             return moved
+        moved = self._moved(live, found_inf)
+        return moved._replace(scale=moved.scale.clamp_min(LOWEST_SCALE))
+
+    def _moved(self, live: ScaleState, found_inf: torch.Tensor) -> ScaleState:
+        """The rule written with ``torch.where``, without the floor at ``2**-126`` (which
+        :meth:`adjust` adds and :meth:`update_` leaves to the scaler)."""
         overflow = found_inf > 0
         zero = torch.zeros((), dtype=torch.int32, device=live.scale.device)
 
@@ -258,17 +264,17 @@ class ScalePolicy(Policy):
             shrunk = torch.clamp_min(shrunk, self.min_scale)
 
         scale = torch.where(grow & torch.isfinite(grown), grown, live.scale)
-        scale = torch.where(backoff, shrunk, scale).clamp_min(LOWEST_SCALE)
+        scale = torch.where(backoff, shrunk, scale)
         return ScaleState(scale, growth_tracker, hysteresis_left)
 
     def update_(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
     ) -> None:
-        """Apply :meth:`adjust` to ``state`` in place: its tensors keep their identity.
+        """Apply the rule to ``state`` in place: its tensors keep their identity.
 
-        With torch's rule this is one call of torch's fused kernel on the live tensors (the
-        scaler keeps the scale at or above ``2**-126``: see :meth:`lowest_after`). No host
-        sync.
+        With torch's rule this is one call of torch's fused kernel on the live tensors. Either
+        way the scaler keeps the scale at or above ``2**-126`` (see :meth:`lowest_after`). No
+        host sync.
         """
         if self._torch_kernel and found_inf.dtype == torch.float32:
             torch._amp_update_scale_(
@@ -280,7 +286,7 @@ class ScalePolicy(Policy):
                 self.growth_interval,
             )
             return
-        for live, value in zip(state, self.adjust(state, found_inf), strict=True):
+        for live, value in zip(state, self._moved(_scale_state(state), found_inf), strict=True):
             if value is not live:
                 live.copy_(value)
 
