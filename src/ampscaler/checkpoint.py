@@ -23,7 +23,7 @@ Example:
     >>> from ampscaler.policy import ScalePolicy
     >>> from ampscaler.state import HostState
     >>> saved = to_state_dict(
-    ...     ScalePolicy(hysteresis=2), None, HostState(1024.0, 3, {"hysteresis_left": 2}), "[]"
+    ...     ScalePolicy(hysteresis=2), None, HostState(1024.0, 3, {"hysteresis_left": 2}), {}
     ... )
     >>> saved["scale"], saved["_growth_tracker"], saved["hysteresis"], saved["policy"]
     (1024.0, 3, 2, 'ScalePolicy')
@@ -53,10 +53,10 @@ TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_g
 
 
 def to_state_dict(
-    policy: Policy, limit: int | None, state: HostState, guards: str
+    policy: Policy, limit: int | None, state: HostState, hooks: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The state dict of a scaler with ``policy``, skip ``limit``, ``state`` (its own values
-    complete) and the guards' state ``guards``."""
+    complete) and what its hooks save (``guards``)."""
     return {
         "scale": state.scale,
         "_growth_tracker": state.growth_tracker,
@@ -65,7 +65,7 @@ def to_state_dict(
         **policy.checkpoint_entries(state.own),
         "max_consecutive_skips": limit,
         "stats": state.stats.as_dict(),
-        "guards": guards,
+        **hooks,
     }
 
 

@@ -83,7 +83,7 @@ class ScaleState(NamedTuple):
     hysteresis_left: torch.Tensor
 
 
-def _saved_int(name: str, value: object, minimum: int, maximum: int) -> int:
+def saved_int(name: str, value: object, minimum: int, maximum: int) -> int:
     """A counter from a checkpoint: torch accepts ``3``, ``3.0``, ``np.int64(3)``,
     ``tensor(3)``; it must fit the tensor it is loaded into."""
     return require_int(name, value, minimum, maximum, integral_floats=True)
@@ -355,7 +355,7 @@ class ScalePolicy(Policy):
                 "backoff_on_nonfinite_loss", self.backoff_on_nonfinite_loss
             ),
         )
-        budget = _saved_int(
+        budget = saved_int(
             "_hysteresis_tracker", saved.get("_hysteresis_tracker", policy.hysteresis), 0, INT32_MAX
         )
         if budget > policy.hysteresis:
