@@ -68,6 +68,7 @@ from .iteration import (
 from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, RecordCallback
 from .observe.sinks import Sink
 from .policy import Policy, policy_from_arguments
+from .policy.derived import torch_rule
 from .precision import Bfloat16Watch
 from .state import LiveState, ScalerState, ScalerStats
 from .taps import WatchedModels
@@ -853,7 +854,7 @@ class GradScaler(TorchPrivateNames):
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` clean steps."""
-        return self._state.policy.torch_rule().growth_factor
+        return torch_rule(self._state.policy).growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (> 1)."""
@@ -861,7 +862,7 @@ class GradScaler(TorchPrivateNames):
 
     def get_backoff_factor(self) -> float:
         """The factor the scale backs off by after an overflow."""
-        return self._state.policy.torch_rule().backoff_factor
+        return torch_rule(self._state.policy).backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1))."""
@@ -869,7 +870,7 @@ class GradScaler(TorchPrivateNames):
 
     def get_growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
-        return self._state.policy.torch_rule().growth_interval
+        return torch_rule(self._state.policy).growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (in [1, 2**31 - 1])."""

@@ -16,8 +16,8 @@ dataclass and one method:
   values. The built-in policies keep the layout of ampscaler 0.1 (the rule's keys beside
   torch's, a :class:`~ampscaler.HeadroomPolicy`'s section named ``headroom``), so that older
   checkpoints load;
-- **powers of two**: whether a power-of-two scale stays one (the opt-in one-pass route needs to
-  know without reading the device): the built-in policies say; any other is not assumed to.
+- **powers of two** and **a bound on the next scale**: optional extras a policy may define
+  (``power_of_two``, ``lowest_after``; the built-in policies do), read here where present.
 
 Example:
     >>> from ampscaler import ScalePolicy
@@ -44,6 +44,7 @@ __all__ = [
     "compared_settings",
     "from_checkpoint",
     "from_torch_dict",
+    "lowest_after",
     "policy_fields",
     "policy_name",
     "power_of_two",
@@ -127,11 +128,21 @@ def with_rule(policy: Policy, funcname: str, **changes: Any) -> Policy:
 
 
 def power_of_two(policy: Policy) -> PowerOfTwo | None:
-    """How ``policy`` keeps a power-of-two scale one (the built-in policies say), or ``None``:
-    then unscaling is never assumed exact in float32."""
-    if isinstance(policy, _FLAT):
-        return policy.power_of_two
-    return None
+    """How ``policy`` keeps a power-of-two scale one, where it says (an optional extra: the
+    built-in policies have a ``power_of_two`` property), or ``None``: then unscaling is never
+    assumed exact in float32 (the opt-in one-pass route takes torch's route)."""
+    rule: PowerOfTwo | None = getattr(policy, "power_of_two", None)
+    return rule
+
+
+def lowest_after(policy: Policy, scale: float, overflowed: bool | None) -> float:
+    """A lower bound on the scale one update of ``policy`` leaves, from a scale of at least
+    ``scale`` (``overflowed``: whether the iteration's gradients held inf/NaN, where the host
+    knows it), where the policy gives one (an optional extra, ``lowest_after``: the built-in
+    policies have it); ``0.0``, no bound, otherwise. The scaler clamps the scale at
+    ``2**-126`` after every update this bound cannot keep above twice that."""
+    bound = getattr(policy, "lowest_after", None)
+    return 0.0 if bound is None else float(bound(scale, overflowed))
 
 
 def _flat_settings(policy: Policy) -> dict[str, Any]:
@@ -209,8 +220,7 @@ def _scale_policy(current: ScalePolicy, saved: Mapping[str, Any]) -> tuple[Polic
     )
     if budget > restored.hysteresis:
         raise InvalidConfigError(
-            f"_hysteresis_tracker must not exceed hysteresis ({restored.hysteresis}), got "
-            f"{budget}."
+            f"_hysteresis_tracker must not exceed hysteresis ({restored.hysteresis}), got {budget}."
         )
     return restored, {"hysteresis_left": budget}
 
