@@ -56,12 +56,18 @@ __all__ = [
 
 #: Where a field of torch's rule lives in a built-in policy under another name.
 _TORCH_ALIASES: dict[type[Policy], dict[str, str]] = {
-    HeadroomPolicy: {"growth_interval": "recovery_interval"}
+    HeadroomPolicy: {"growth_interval": "recovery_interval"},
 }
 #: The built-in policies that save the rule's keys beside torch's (ampscaler 0.1's layout).
-_FLAT = (ScalePolicy, StaticPolicy, HeadroomPolicy)
+_FLAT: tuple[type[Policy], ...] = (
+    ScalePolicy,
+    StaticPolicy,
+    HeadroomPolicy,
+)
 #: The section a policy's settings and own values are saved in (by default ``policy_state``).
-_SECTIONS: dict[type[Policy], str] = {HeadroomPolicy: "headroom"}
+_SECTIONS: dict[type[Policy], str] = {
+    HeadroomPolicy: "headroom",
+}
 
 
 def policy_name(policy: Policy) -> str:
