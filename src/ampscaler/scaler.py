@@ -269,7 +269,6 @@ class GradScaler(TorchPrivateNames):
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
-        self._attempt = 0  # the try at the batch in progress (attempts())
         self._hooks = HookList()
         self._hooks.add(Monitor(enabled=self._enabled))  # overflow reports, sinks, probes...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
@@ -716,7 +715,6 @@ class GradScaler(TorchPrivateNames):
             iteration.let_go_of_losses(clean=overflowed is False)
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
-        iteration.attempt = self._attempt
         self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
             self._bf16.stop()
@@ -804,11 +802,12 @@ class GradScaler(TorchPrivateNames):
             )
         for number in range(limit):
             started = self._iteration
-            self._attempt = number
+            started.attempt = number  # the try at its batch the iteration in progress is
             try:
                 yield Attempt(number, limit)
             finally:
-                self._attempt = 0
+                if self._iteration is started:  # the body did not end it: not a try
+                    started.attempt = 0
             if not self._enabled:
                 return
             self._require_one_update(started)
