@@ -382,11 +382,11 @@ def process_group() -> Row:
     )
 
 
-@configuration("process_group, fused Adam")
+@configuration("process_group + fused Adam")
 def process_group_fused() -> Row:
     group = world()
     return compare(
-        "process_group, fused Adam",
+        "process_group + fused Adam",
         lambda: TorchShardedGradScaler("cpu", process_group=group),
         our_scaler(process_group=group),
         lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
@@ -412,22 +412,22 @@ def sharded() -> Row:
 HEADROOM = {"history_length": 2, "sample_every": 4}
 
 
-@configuration("HeadroomPolicy, unmeasured iteration")
+@configuration("HeadroomPolicy unmeasured")
 def headroom_unmeasured() -> Row:
     policy = ampscaler.HeadroomPolicy(**HEADROOM)
     assert not policy.measures(2)
     return compare(
-        "HeadroomPolicy, unmeasured iteration", torch_scaler,
+        "HeadroomPolicy unmeasured", torch_scaler,
         our_scaler(policy=policy), sgd, watch=True, counted=2,
     )  # fmt: skip
 
 
-@configuration("HeadroomPolicy, measured iteration")
+@configuration("HeadroomPolicy measured")
 def headroom_measured() -> Row:
     policy = ampscaler.HeadroomPolicy(**HEADROOM)
     assert policy.measures(5)
     return compare(
-        "HeadroomPolicy, measured iteration", torch_scaler,
+        "HeadroomPolicy measured", torch_scaler,
         our_scaler(policy=policy), sgd, watch=True, iterations=6,
         note="scaler.watch(model): taps in the backward",
     )  # fmt: skip
@@ -453,10 +453,10 @@ def flat_grads() -> Row:
     )  # fmt: skip
 
 
-@configuration("one_pass_fused=True, fused Adam")
+@configuration("one_pass_fused=True + fused Adam")
 def one_pass_fused() -> Row:
     return compare(
-        "one_pass_fused=True, fused Adam",
+        "one_pass_fused=True + fused Adam",
         torch_scaler,
         our_scaler(one_pass_fused=True),
         lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),

@@ -222,12 +222,14 @@ class Iteration:
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
         """Keep a loss given to ``scale()`` (as given, until :meth:`let_go_of_losses`; no
         device work unless many are kept, when they are summed into one); with ``flag``, also
-        fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops; no host
-        sync)."""
+        fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops, a third
+        for a loss of several elements and from the second loss on; no host sync)."""
         losses = self.losses
         losses.append(loss)
         if flag:
-            bad = (~torch.isfinite(losses[-1]).all()).to(torch.float32)
+            with torch.no_grad():  # loss - loss: 0 where finite, NaN where inf or NaN
+                zeroed = loss.sub(loss) if loss.dim() == 0 else loss.sub(loss).sum()
+                bad = zeroed.nan_to_num_(nan=1.0).float()
             previous = self.local_loss_flag
             self.local_loss_flag = bad if previous is None else torch.maximum(previous, bad)
         if len(losses) > _KEEP_LOSSES:

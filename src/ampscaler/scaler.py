@@ -682,6 +682,8 @@ class GradScaler(TorchPrivateNames):
         )
         if self._meter is not None:
             self._meter.advance()
+        if self._agreement is not None and not compiling:
+            self._agreement.note_update()  # every rank moved alike: no new fingerprint
         return old_scale
 
     def _measured(self, meter: Meter, live: LiveState) -> torch.Tensor | None:
