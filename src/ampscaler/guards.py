@@ -291,7 +291,7 @@ def _grad_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
     multi-tensor ``_foreach_norm`` per device and dtype), accumulated in float32 so that
     float16 gradients cannot overflow it, and the norm of those norms (two small operations
     per device and dtype)."""
-    norms = [
+    norms: list[torch.Tensor] = [
         torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         for per_dtype in groups.values()
         for grads in per_dtype.values()
@@ -300,7 +300,8 @@ def _grad_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=device)
     if len(norms) == 1:
         return norms[0].to(device)
-    return torch.linalg.vector_norm(torch.stack([norm.to(device) for norm in norms]))
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    return total
 
 
 class GuardSet:
