@@ -16,8 +16,9 @@ says otherwise):
   what the scaler adds to the backward pass (ampscaler's gradient taps on a measured
   ``HeadroomPolicy`` iteration): the backward's ops beyond torch's arm's;
 - **host reads**: ``aten._local_scalar_dense`` (``item()``, ``bool()``, ``float()`` of a
-  tensor) and ``Tensor.tolist()`` (which reads without dispatching an op) anywhere in those
-  calls; each is a device-to-host wait on a GPU;
+  tensor) and ``Tensor.tolist()`` (which reads without dispatching an op) in the same calls,
+  the optimizer's own ``step()`` again left out; each is a device-to-host wait on a GPU (a
+  read of a copy ampscaler started earlier without waiting is not counted);
 - **optimizer ops**, as context: the ops of the optimizer's own ``step()`` in that iteration
   (a fused optimizer handed ``found_inf`` rolls its step counters back, in both arms).
 
@@ -78,7 +79,7 @@ class Counter(TorchDispatchMode):
         super().__init__()
         self.on = False
         self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.reads = 0
+        self.reads: collections.Counter[str] = collections.Counter()  # by phase
         self._phases: list[str] = []
         self._landed = 0  # inside HostCopy.tolist(): reading a copy that landed unawaited
 
@@ -103,12 +104,12 @@ class Counter(TorchDispatchMode):
             name = str(func)
             self.ops[self._phases[-1]][name] += 1
             if name == READ_OP:
-                self.reads += 1
+                self.reads[self._phases[-1]] += 1
         return func(*args, **(kwargs or {}))
 
     def note_tolist(self) -> None:
         if self.on and self._phases and not self._landed:
-            self.reads += 1
+            self.reads[self._phases[-1]] += 1
 
 
 @contextlib.contextmanager
@@ -151,7 +152,13 @@ class Counts:
     """One arm's counts for the counted iteration."""
 
     phases: dict[str, collections.Counter[str]]
-    reads: int
+    reads_by_phase: dict[str, int]
+
+    @property
+    def reads(self) -> int:
+        """Host reads in the scaler's own calls (the optimizer's own, such as AdamW's reads
+        of its step counts on the CPU, left out)."""
+        return sum(n for name, n in self.reads_by_phase.items() if name not in NOT_THE_SCALERS)
 
     def ops_in(self, *phases: str) -> int:
         return sum(sum(self.phases.get(name, {}).values()) for name in phases)
@@ -247,7 +254,7 @@ def count_arm(
     for index in range(iterations):
         counter.on = index == counted
         iteration(counter, index)
-    return Counts(dict(counter.ops), counter.reads)
+    return Counts(dict(counter.ops), dict(counter.reads))
 
 
 def counted_step(counter: Counter, optimizer: torch.optim.Optimizer) -> None:
