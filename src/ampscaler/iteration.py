@@ -227,9 +227,7 @@ class Iteration:
         losses = self.losses
         losses.append(loss)
         if flag:
-            with torch.no_grad():  # loss - loss: 0 where finite, NaN where inf or NaN
-                zeroed = loss.sub(loss) if loss.dim() == 0 else loss.sub(loss).sum()
-                bad = zeroed.nan_to_num_(nan=1.0).float()
+            bad = nonfinite_flag(loss)
             previous = self.local_loss_flag
             self.local_loss_flag = bad if previous is None else torch.maximum(previous, bad)
         if len(losses) > _KEEP_LOSSES:
@@ -255,7 +253,7 @@ class Iteration:
         """This rank's flag, a 0-dim float32 tensor > 0 iff a kept loss is inf/NaN (``None``:
         none kept). A few device ops; no host sync."""
         loss = self.loss()
-        return None if loss is None else (~torch.isfinite(loss)).to(torch.float32)
+        return None if loss is None else nonfinite_flag(loss)
 
     def cause_flag(self) -> torch.Tensor | None:
         """The loss flag the iteration's cause is told by: the agreed one with a
@@ -344,6 +342,20 @@ class Iteration:
                 "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
                 "for every optimizer of the iteration before scaler.update()."
             )
+
+
+def nonfinite_flag(values: torch.Tensor) -> torch.Tensor:
+    """``1.0`` if any of ``values`` is inf or NaN, else ``0.0``: a 0-dim float32 tensor, outside
+    any autograd graph (two small device ops for a 0-dim tensor, three otherwise; no host
+    sync).
+
+    Example:
+        >>> nonfinite_flag(torch.tensor([1.0, float("inf")])), nonfinite_flag(torch.tensor(2.0))
+        (tensor(1.), tensor(0.))
+    """
+    with torch.no_grad():  # values - values: 0 where finite, NaN where inf or NaN
+        zeroed = values.sub(values) if values.dim() == 0 else values.sub(values).sum()
+        return zeroed.nan_to_num_(nan=1.0).float()
 
 
 def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:
