@@ -640,6 +640,8 @@ class GradScaler(TorchPrivateNames):
             return
         spiked = flag_sum(iteration.spikes()) if self._guards.active else None
         old_scale = self._move(new_scale, found_inf, spiked, live, overflowed, compiling)
+        if new_scale is None and not compiling and self._agreement is not None:
+            self._agreement.note_update()  # every rank moved alike: no new fingerprint
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
             self._iteration = Iteration()
             return
@@ -682,8 +684,6 @@ class GradScaler(TorchPrivateNames):
         )
         if self._meter is not None:
             self._meter.advance()
-        if self._agreement is not None and not compiling:
-            self._agreement.note_update()  # every rank moved alike: no new fingerprint
         return old_scale
 
     def _measured(self, meter: Meter, live: LiveState) -> torch.Tensor | None:
