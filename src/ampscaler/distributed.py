@@ -497,7 +497,8 @@ class RankAgreement:
             skipped = verdict[_FLAG]
         else:
             verdict, skipped = read_values([mine, torch.maximum(agreed, spike)])
-        if _differ(verdict) or self._landed_differ():
+        earlier = self._landed_differ()  # fused verdicts settled since the last check
+        if _differ(verdict) or earlier:
             self._stop(settings)
         if self._refuse_unchecked and verdict[_HELD] <= 0:
             raise ScalerUsageError(NO_GRADIENTS)
