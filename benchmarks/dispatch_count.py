@@ -76,7 +76,7 @@ class Counter(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.on = False
         self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.reads: collections.Counter[str] = collections.Counter()  # by phase
@@ -376,9 +376,9 @@ def world() -> dist.ProcessGroup:
     if not dist.is_initialized():
         dist.init_process_group(
             "gloo",
-            store=dist.HashStore(),
+            store=dist.HashStore(),  # type: ignore[attr-defined]
             rank=0,
-            world_size=1,  # type: ignore[attr-defined]
+            world_size=1,
         )
     group = dist.group.WORLD
     assert group is not None
