@@ -18,6 +18,7 @@ from .errors import (
     ScaleFloorWarning,
     ScalerUsageError,
     SinkError,
+    SinkWarning,
 )
 from .guards import SpikeGuard
 from .iteration import OptState
@@ -60,6 +61,7 @@ __all__ = [
     "ShardedGradScaler",
     "Sink",
     "SinkError",
+    "SinkWarning",
     "SpikeGuard",
     "StaticPolicy",
     "StepHistory",

@@ -23,6 +23,7 @@ __all__ = [
     "ScaleFloorWarning",
     "ScalerUsageError",
     "SinkError",
+    "SinkWarning",
     "warn_at_caller",
 ]
 
@@ -130,6 +131,16 @@ class SinkError(OSError):
     """A telemetry sink could not open or write its destination (a JSONL path, a log dir).
 
     An :class:`OSError`, as the failed ``open()`` underneath; the message names the path.
+    """
+
+
+class SinkWarning(RuntimeWarning):
+    """A sink's ``write`` or an event callback raised: it is reported once with this warning,
+    and the other sinks and callbacks are still served (a full disk under a
+    :class:`~ampscaler.JsonlSink` starves neither TensorBoard nor the callbacks).
+
+    To stop training on the first failure instead:
+    ``warnings.simplefilter("error", ampscaler.SinkWarning)``.
     """
 
 

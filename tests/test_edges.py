@@ -1,0 +1,168 @@
+"""The edges found by trying ampscaler from outside (issue 34): copies mid-iteration, failing
+sinks, interrupted iterations, checkpoints loaded mid-iteration, and what errors say."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import ampscaler
+from ampscaler import GradScaler, StepHistory
+
+
+def _model_and_opt() -> tuple[torch.nn.Linear, torch.optim.SGD]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _loss(model: torch.nn.Module, value: float = 1.0) -> torch.Tensor:
+    return model(torch.full((2, 3), value)).pow(2).sum()
+
+
+@pytest.mark.parametrize("after", ["scale", "backward"])
+def test_deepcopy_mid_iteration_copies_as_torch_does(after: str) -> None:
+    """Item 1: a copy taken after scale() (or backward()) steps on as torch's copy does."""
+    results = []
+    for make in (torch.amp.GradScaler, GradScaler):
+        model, opt = _model_and_opt()
+        scaler = make("cpu", init_scale=4.0, growth_interval=1)
+        scaled = scaler.scale(_loss(model))
+        if after == "backward":
+            scaled.backward()
+        twin = copy.deepcopy(scaler)
+        if after == "scale":
+            scaled.backward()
+        twin.scale(_loss(model)).backward()  # the copy runs an iteration of its own
+        twin.step(opt)
+        twin.update()
+        results.append((twin.get_scale(), twin.state_dict()["_growth_tracker"], model.weight))
+    (torch_scale, torch_tracker, torch_weight), (scale, tracker, weight) = results
+    assert (scale, tracker) == (torch_scale, torch_tracker)
+    assert torch.equal(weight, torch_weight)
+
+
+class _FullDisk:
+    def write(self, record: ampscaler.StepRecord) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failing_sink_starves_no_other_and_is_reported_once() -> None:
+    """Item 2: a sink that raises first; the history and callbacks after it are served."""
+    model, opt = _model_and_opt()
+    scaler = GradScaler("cpu")
+    broken = scaler.add_sink(_FullDisk())
+    history = scaler.add_sink(StepHistory(10))
+    calls: list[int] = []
+    scaler.on("step", lambda record: calls.append(record.step))
+
+    def failing_callback(record: ampscaler.StepRecord) -> None:
+        raise KeyError("oops")
+
+    scaler.on("step", failing_callback)
+    after: list[int] = []
+    scaler.on("step", lambda record: after.append(record.step))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            scaler.scale(_loss(model)).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert [record.step for record in history.records] == [0, 1, 2]
+    assert calls == after == [0, 1, 2]
+    reported = [w for w in caught if issubclass(w.category, ampscaler.SinkWarning)]
+    assert len(reported) == 2  # once per failing consumer
+    assert repr(broken) in str(reported[0].message) and "No space left" in str(reported[0].message)
+    assert "failing_callback" in str(reported[1].message)
+    assert reported[0].filename == __file__  # points at the training loop's update()
+
+
+def test_a_failing_sink_stops_training_when_asked() -> None:
+    model, opt = _model_and_opt()
+    scaler = GradScaler("cpu")
+    scaler.add_sink(_FullDisk())
+    scaler.scale(_loss(model)).backward()
+    scaler.step(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ampscaler.SinkWarning)
+        with pytest.raises(ampscaler.SinkWarning, match="No space left"):
+            scaler.update()
+
+
+def test_scale_after_unscale_is_refused_and_changes_nothing() -> None:
+    """Item 4: an iteration interrupted after unscale_(): the next scale() refuses, instead of
+    step() applying scaled gradients as if they were unscaled (as torch's scaler does)."""
+    model, opt = _model_and_opt()
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(_loss(model)).backward()
+    scaler.unscale_(opt)
+    unscaled = model.weight.grad.clone()
+    # ... an exception the loop catches happens here; the next iteration begins:
+    opt.zero_grad()
+    loss = _loss(model)
+    with pytest.raises(ampscaler.ScalerUsageError, match="after scaler.unscale_") as raised:
+        scaler.scale(loss)
+    assert isinstance(raised.value, RuntimeError)
+    assert model.weight.grad is None
+    # The way out the message names: end the interrupted iteration with update().
+    scaler.update()
+    scaler.scale(_loss(model)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.isfinite(model.weight).all() and scaler.get_scale() == 1024.0
+    assert unscaled.abs().max() < 1e3  # the first gradients were unscaled (not at 1024x)
+
+
+def test_torch_applies_stale_unscaled_gradients_after_an_interruption() -> None:
+    """What item 4 guards against, in torch's scaler: the next step applies scaled
+    gradients (the reason ampscaler is stricter there)."""
+    model, opt = _model_and_opt()
+    before = model.weight.detach().clone()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(_loss(model)).backward()
+    scaler.unscale_(opt)
+    opt.zero_grad()
+    scaler.scale(_loss(model)).backward()
+    scaler.step(opt)
+    scaler.update()
+    honest = before - 0.1 * torch.func.grad(
+        lambda w: torch.nn.functional.linear(torch.full((2, 3), 1.0), w, model.bias).pow(2).sum()
+    )(before)
+    assert not torch.allclose(model.weight, honest, rtol=0.1)  # off by the scale
+
+
+def test_load_state_dict_mid_iteration_is_refused_and_changes_nothing() -> None:
+    """Item 5: a state loaded between backward() and step() would unscale by the loaded
+    scale."""
+    model, opt = _model_and_opt()
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    saved = GradScaler("cpu", init_scale=8.0).state_dict()
+    scaler.scale(_loss(model)).backward()
+    with pytest.raises(ampscaler.ScalerUsageError, match="middle of an iteration"):
+        scaler.load_state_dict(saved)
+    assert scaler.get_scale() == 1024.0
+    twin_model, twin_opt = _model_and_opt()
+    twin = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    twin.scale(_loss(twin_model)).backward()
+    for each, each_opt in ((scaler, opt), (twin, twin_opt)):
+        each.step(each_opt)
+        each.update()
+    assert torch.equal(model.weight, twin_model.weight)
+    scaler.load_state_dict(saved)  # after update(): loads
+    assert scaler.get_scale() == 8.0
+
+
+def test_step_history_too_long_is_a_config_error() -> None:
+    with pytest.raises(ampscaler.InvalidConfigError, match="maxlen"):
+        StepHistory(2**70)
+
+
+def test_closed_jsonl_sink_names_itself(tmp_path: object) -> None:
+    sink = ampscaler.JsonlSink(f"{tmp_path}/steps.jsonl")
+    sink.close()
+    record = ampscaler.StepRecord(3, 8.0, 8.0, skipped=False, time=0.0)
+    with pytest.raises(ValueError, match=r"JsonlSink\(.*steps\.jsonl'\) was closed.*step 3"):
+        sink.write(record)
