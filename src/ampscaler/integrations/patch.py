@@ -68,19 +68,33 @@ _NAMES: tuple[tuple[str, str, type], ...] = (
 
 # While patched: the object each replaced name held before, by (module, name).
 _originals: dict[tuple[str, str], object] = {}
+# The patches not yet exited, oldest first: the last one's settings are in force.
+_in_force: list[TorchPatch] = []
 
 
 class TorchPatch:
     """What one :func:`patch_torch` call did. As a context manager it undoes that call on
-    exit: torch as it was before the call (unpatched, or patched with the earlier settings).
+    exit: the settings of the latest call still in force take over, and when none is left,
+    torch is unpatched. Handles may exit in any order (two ``with`` blocks that overlap
+    without nesting, a handle exited from another function): torch is restored when the last
+    one exits.
 
     Attributes:
         settings: the settings this call put in force.
+
+    Example:
+        >>> import torch, ampscaler
+        >>> first, second = ampscaler.patch_torch(hysteresis=2), ampscaler.patch_torch()
+        >>> first.__exit__(None, None, None)       # out of order: the second's settings stay
+        >>> torch.amp.GradScaler("cpu").policy.hysteresis
+        1
+        >>> second.__exit__(None, None, None)      # the last one: torch is torch again
+        >>> torch.amp.GradScaler.__module__
+        'torch.amp.grad_scaler'
     """
 
-    def __init__(self, settings: PatchSettings, before: PatchSettings | None) -> None:
+    def __init__(self, settings: PatchSettings) -> None:
         self.settings = settings
-        self._before = before
 
     def __enter__(self) -> TorchPatch:
         return self
@@ -91,10 +105,13 @@ class TorchPatch:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._before is None:
-            unpatch_torch()
+        if not any(patch is self for patch in _in_force):
+            return  # exited already, or unpatch_torch() came first
+        _in_force[:] = [patch for patch in _in_force if patch is not self]
+        if _in_force:
+            _activate(_in_force[-1].settings)
         else:
-            _activate(self._before)
+            unpatch_torch()
 
     def __repr__(self) -> str:
         return f"TorchPatch({self.settings})"
@@ -121,8 +138,9 @@ def patch_torch(
 
     Each scaler built through torch's names gets torch's arguments as the call gave them,
     torch's defaults for the rest (``torch.amp.GradScaler()`` is for ``"cuda"``, as in torch),
-    and the settings. Calling it again replaces the settings (torch's names stay patched once);
-    :func:`unpatch_torch` restores torch's own objects. Use it before the framework builds its
+    and the settings. Calling it again replaces the settings until its handle exits (torch's
+    names stay patched once; see :class:`TorchPatch`); :func:`unpatch_torch` restores torch's
+    own objects. Use it before the framework builds its
     scaler, and before importing a framework that imports torch's class at module level.
     Nothing syncs here; the scalers built sync as documented for
     :class:`~ampscaler.GradScaler`.
@@ -185,9 +203,15 @@ def patch_torch(
             configure=configure,
         )
     )
-    before = standins.settings_in_force()
+    return _push(settings)
+
+
+def _push(settings: PatchSettings) -> TorchPatch:
+    """Patch with ``settings``, in force until the handle returned exits."""
+    patch = TorchPatch(settings)
+    _in_force.append(patch)
     _activate(settings)
-    return TorchPatch(settings, before)
+    return patch
 
 
 def _activate(settings: PatchSettings) -> None:
@@ -216,6 +240,7 @@ def unpatch_torch() -> None:
     for (module_name, name), original in _originals.items():
         setattr(importlib.import_module(module_name), name, original)
     _originals.clear()
+    _in_force.clear()
     standins.set_settings(None)
 
 
@@ -241,5 +266,4 @@ def setup_hook() -> None:
             unknown setting, or a setting :func:`patch_torch` refuses.
     """
     text = os.environ.get(ENV_VAR)
-    settings = PatchSettings() if text is None else from_json(text, ENV_VAR)
-    _activate(settings)
+    _push(PatchSettings() if text is None else from_json(text, ENV_VAR))
