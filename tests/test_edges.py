@@ -166,3 +166,50 @@ def test_closed_jsonl_sink_names_itself(tmp_path: object) -> None:
     record = ampscaler.StepRecord(3, 8.0, 8.0, skipped=False, time=0.0)
     with pytest.raises(ValueError, match=r"JsonlSink\(.*steps\.jsonl'\) was closed.*step 3"):
         sink.write(record)
+
+
+def test_a_scale_that_returns_to_the_floor_warns_once() -> None:
+    """Item 8: a run whose scale kept coming back to the floor warned at every return (679
+    warnings in one run), where the docs promise one."""
+    model, opt = _model_and_opt()
+    scaler = GradScaler("cpu", init_scale=2.0**-125, growth_interval=1)
+    alerts: list[ampscaler.CollapseAlert] = []
+    scaler.on("collapse", alerts.append)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # To the floor, a skip there, up again, and back: three stays at the floor.
+        for value in [float("nan"), float("nan"), 1.0] * 3:
+            scaler.scale(_loss(model, value)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    floor = [w for w in caught if issubclass(w.category, ampscaler.ScaleFloorWarning)]
+    assert len(floor) == 1
+    assert len([a for a in alerts if a.reasons == ("floor",)]) == 3  # every stay is told
+
+
+def test_a_stats_dict_without_its_counters_is_refused() -> None:
+    """Item 8: ``"stats": {}`` silently reset every counter."""
+    model, opt = _model_and_opt()
+    scaler = GradScaler("cpu")
+    scaler.scale(_loss(model)).backward()
+    scaler.step(opt)
+    scaler.update()
+    saved = scaler.state_dict()
+    for broken in ({}, {"steps": 1}):
+        with pytest.raises(ampscaler.InvalidStateDictError, match="stats lacks"):
+            scaler.load_state_dict({**saved, "stats": broken})
+    assert scaler.stats.steps == 1
+    older = {**saved, "stats": {k: v for k, v in saved["stats"].items() if k != "replays"}}
+    scaler.load_state_dict(older)  # a counter added later starts at 0
+    assert scaler.stats.steps == 1
+
+
+def test_report_on_binary_garbage_says_it_is_not_a_log(tmp_path: object) -> None:
+    """Item 8: a file of binary data was reported as "empty"."""
+    garbage = f"{tmp_path}/garbage.jsonl"
+    with open(garbage, "wb") as file:
+        file.write(bytes(range(1, 10)) * 20)
+    with pytest.raises(ampscaler.LogFormatError, match="not an ampscaler step log") as raised:
+        ampscaler.read_log(garbage)
+    assert "empty" not in str(raised.value)

@@ -119,8 +119,10 @@ _ADVICE = {
 class ScaleFloorWarning(RuntimeWarning):
     """The scale reached its floor, ``2**-126``, where backing off cannot go further.
 
-    Issued once per stay at the floor (see :class:`~ampscaler.CollapseWatch`), before any step
-    runs there on the non-fused path. The message says how many steps in a row were skipped
+    Issued once per scaler, the first time the scale reaches the floor (see
+    :class:`~ampscaler.CollapseWatch`), before any step runs there on the non-fused path; a
+    scale that leaves the floor and comes back calls the ``"collapse"`` callbacks again, but
+    does not warn again. The message says how many steps in a row were skipped
     and in how many of them the loss itself was already inf/NaN (then lowering the scale never
     could help). To stop a run there instead of training on at a scale where float16 gradients
     underflow: ``warnings.simplefilter("error", ampscaler.ScaleFloorWarning)``.
