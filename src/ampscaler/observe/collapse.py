@@ -22,9 +22,10 @@ the scaler never goes below it (below it unscaling writes inf/NaN into finite gr
 from there on backing off cannot help, and a finite step at that scale loses nearly every
 float16 gradient to underflow. Reaching it the first time warns at once with a
 :class:`~ampscaler.ScaleFloorWarning` (and each time calls the ``"collapse"`` callbacks with
-the reason ``"floor"``), saying how many steps in a row were skipped and in how many of them the loss
-itself was already inf/NaN, whatever ``log`` says. Non-fused optimizers hear it at the latest
-in the ``step()`` that skips at the floor, which has read its verdict and the scale anyway.
+the reason ``"floor"``), saying how many steps in a row were skipped and in how many of them
+the loss itself was already inf/NaN, whatever ``log`` says. Non-fused optimizers hear it at the
+latest in the ``step()`` that skips at the floor, which has read its verdict and the scale
+anyway.
 During a collapse whose scale has fallen below ``2**-64`` the watch looks after every update,
 so every optimizer hears it after the update that reached the floor, before a step runs there
 (on CUDA, once that update's non-blocking copy has landed); otherwise fused optimizers, which
@@ -316,8 +317,9 @@ class CollapseWatch:
         latest_cause: Callable[[], str | None],
     ) -> None:
         """Call ``callbacks`` with the alert once per stay at the floor, and warn
-        (:class:`~ampscaler.ScaleFloorWarning`) at the first. How many of the ``in_a_row`` skips came with a non-finite
-        loss: as the reports say, or at least the latest by ``latest_cause()``."""
+        (:class:`~ampscaler.ScaleFloorWarning`) at the first. How many of the ``in_a_row``
+        skips came with a non-finite loss: as the reports say, or at least the latest by
+        ``latest_cause()``."""
         if scale > LOWEST_SCALE:
             self._at_floor = False
             return
