@@ -213,3 +213,21 @@ def test_report_on_binary_garbage_says_it_is_not_a_log(tmp_path: object) -> None
     with pytest.raises(ampscaler.LogFormatError, match="not an ampscaler step log") as raised:
         ampscaler.read_log(garbage)
     assert "empty" not in str(raised.value)
+
+
+def test_demo_progress_is_plain_lines_when_redirected(tmp_path: object) -> None:
+    """Item 16: the progress bars filled a redirected log with carriage-return updates."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ampscaler", "demo", "--steps", "20", "--out", f"{tmp_path}/d"],
+        capture_output=True,  # stderr is a pipe, not a terminal
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "\r" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if ": step " in line]
+    assert len(lines) == 3 * 10  # ten lines per arm
+    assert lines[-1].startswith("fp16_ampscaler: step 20/20, loss ")

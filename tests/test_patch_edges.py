@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
 import ampscaler
 from ampscaler.integrations.patch import ENV_VAR, setup_hook
@@ -111,13 +110,3 @@ def test_deprecated_name_warns_at_the_line_torch_warns_at() -> None:
         lines.append((warning.filename, warning.lineno))
     assert lines[0] == lines[1]
     assert lines[0][0] == __file__
-
-
-def test_disabled_sharded_scaler_getters_raise_as_torch_does() -> None:
-    """Item 13: a disabled ShardedGradScaler answered where torch's raises."""
-    for getter in ("get_growth_interval", "get_growth_factor", "get_backoff_factor"):
-        with pytest.raises(AttributeError):
-            getattr(TorchSharded("cpu", enabled=False), getter)()
-        with pytest.raises(AttributeError, match=f"{getter}.*disabled"):
-            getattr(ampscaler.ShardedGradScaler("cpu", enabled=False), getter)()
-    assert ampscaler.ShardedGradScaler("cpu").get_growth_interval() == 2000

@@ -72,7 +72,7 @@ __all__ = [
     "unpatch_torch",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> object:

@@ -204,39 +204,5 @@ class ShardedGradScaler(GradScaler):
             return super().scale(not_tensors)  # GradScaler's error for what is not a tensor
         return (self._scaled_keeping_dtype(item) for item in value)
 
-    def get_growth_factor(self) -> float:
-        """As :meth:`GradScaler.get_growth_factor <ampscaler.GradScaler.get_growth_factor>`.
-
-        Raises:
-            AttributeError: disabled (torch's sharded scaler keeps no rule then).
-        """
-        self._require_rule("get_growth_factor")
-        return super().get_growth_factor()
-
-    def get_backoff_factor(self) -> float:
-        """As :meth:`GradScaler.get_backoff_factor <ampscaler.GradScaler.get_backoff_factor>`.
-
-        Raises:
-            AttributeError: disabled (torch's sharded scaler keeps no rule then).
-        """
-        self._require_rule("get_backoff_factor")
-        return super().get_backoff_factor()
-
-    def get_growth_interval(self) -> int:
-        """As :meth:`GradScaler.get_growth_interval <ampscaler.GradScaler.get_growth_interval>`.
-
-        Raises:
-            AttributeError: disabled (torch's sharded scaler keeps no rule then).
-        """
-        self._require_rule("get_growth_interval")
-        return super().get_growth_interval()
-
-    def _require_rule(self, funcname: str) -> None:
-        if not self._enabled:
-            raise AttributeError(
-                f"{funcname}() of a disabled ShardedGradScaler: torch's keeps no growth rule "
-                "when enabled=False and raises here too. Ask is_enabled() first."
-            )
-
     def __repr__(self) -> str:
         return "Sharded" + super().__repr__()
