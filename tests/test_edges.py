@@ -231,3 +231,18 @@ def test_demo_progress_is_plain_lines_when_redirected(tmp_path: object) -> None:
     lines = [line for line in done.stderr.splitlines() if ": step " in line]
     assert len(lines) == 3 * 10  # ten lines per arm
     assert lines[-1].startswith("fp16_ampscaler: step 20/20, loss ")
+
+
+def test_a_skipped_demo_step_says_why() -> None:
+    """Item 10: the demo's steps.jsonl had "overflow": null on all 10 skipped steps."""
+    from ampscaler.demo.train import Arm, DemoConfig, train_arm
+
+    arm = Arm(
+        "fp16_ampscaler", fp16=True, scaler_factory=lambda: GradScaler("cpu", init_scale=2.0**60)
+    )
+    result = train_arm(arm, DemoConfig(steps=3, probe_every=None))
+    skipped = [record for record in result.records if record.skipped]
+    assert skipped  # 2**60 overflows fp16 at once
+    for record in skipped:
+        assert record.overflow is not None and record.overflow.cause == "gradients"
+        assert record.overflow.names  # the parameters that held inf/NaN

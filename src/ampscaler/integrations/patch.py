@@ -37,9 +37,13 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 from collections.abc import Callable, Sequence
-from types import TracebackType
+from importlib.machinery import ModuleSpec
+from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from . import standins
@@ -65,6 +69,9 @@ _NAMES: tuple[tuple[str, str, type], ...] = (
     ("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler",
      standins.TorchShardedGradScaler),
 )  # fmt: skip
+
+#: Modules whose names are replaced only once the program imports them (torch's FSDP).
+_LATE = "torch.distributed.fsdp"
 
 # While patched: the object each replaced name held before, by (module, name).
 _originals: dict[tuple[str, str], object] = {}
@@ -215,13 +222,81 @@ def _push(settings: PatchSettings) -> TorchPatch:
 
 
 def _activate(settings: PatchSettings) -> None:
-    if not _originals:
+    if not (_originals or _on_import.waiting):
         for module_name, name, stand_in in _NAMES:
-            module = importlib.import_module(module_name)
-            if hasattr(module, name):
-                _originals[module_name, name] = getattr(module, name)
-                setattr(module, name, stand_in)
+            if module_name.startswith(_LATE) and module_name not in sys.modules:
+                _on_import.wait_for(module_name, name, stand_in)
+            else:
+                _replace(importlib.import_module(module_name), name, stand_in)
     standins.set_settings(settings)
+
+
+def _replace(module: ModuleType, name: str, stand_in: type) -> None:
+    if hasattr(module, name):
+        original = getattr(module, name)
+        _originals[module.__name__, name] = original
+        standins.remember_torch_class(f"{module.__name__}.{name}", original)
+        setattr(module, name, stand_in)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Replaces names in modules the program imports after the patch, as each is imported.
+
+    torch's FSDP package is some 600 modules; importing it at every patch (for the sharded
+    scaler's name) made exit hangs of gloo jobs that never use FSDP several times likelier (a
+    race in torch's teardown, between a finished all-reduce's cleanup and the process group's
+    destructor; docs/distributed.md). Code that imports FSDP after the patch still gets the
+    stand-in, in ``from ... import ShardedGradScaler`` too.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[tuple[str, type]]] = {}
+
+    def wait_for(self, module_name: str, name: str, stand_in: type) -> None:
+        if not self.waiting and self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+        self.waiting.setdefault(module_name, []).append((name, stand_in))
+
+    def stop(self) -> None:
+        self.waiting.clear()
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> ModuleSpec | None:
+        if fullname not in self.waiting:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, self.waiting.pop(fullname))
+        if not self.waiting:
+            sys.meta_path.remove(self)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """A module's own loader, then the names replaced."""
+
+    def __init__(self, loader: importlib.abc.Loader, names: list[tuple[str, type]]) -> None:
+        self._loader = loader
+        self._names = names
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        if _in_force:  # still patched
+            for name, stand_in in self._names:
+                _replace(module, name, stand_in)
+
+
+_on_import = _PatchOnImport()
 
 
 def unpatch_torch() -> None:
@@ -240,6 +315,7 @@ def unpatch_torch() -> None:
     for (module_name, name), original in _originals.items():
         setattr(importlib.import_module(module_name), name, original)
     _originals.clear()
+    _on_import.stop()
     _in_force.clear()
     standins.set_settings(None)
 

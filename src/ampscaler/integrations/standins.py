@@ -34,7 +34,6 @@ from typing import Any, ClassVar
 from torch.amp.grad_scaler import GradScaler as _TorchAmp
 from torch.cpu.amp.grad_scaler import GradScaler as _TorchCpu
 from torch.cuda.amp.grad_scaler import GradScaler as _TorchCuda
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchSharded
 
 from ..scaler import GradScaler
 from ..sharded import ShardedGradScaler
@@ -45,6 +44,7 @@ __all__ = [
     "TorchCudaGradScaler",
     "TorchGradScaler",
     "TorchShardedGradScaler",
+    "remember_torch_class",
     "set_settings",
 ]
 
@@ -64,12 +64,39 @@ class _StandsIn(type):
     _also_accepts: tuple[type, ...]
 
     def __instancecheck__(cls, instance: object) -> bool:
-        also = cls.__dict__.get("_also_accepts", ())
-        return type.__instancecheck__(cls, instance) or isinstance(instance, also)
+        return type.__instancecheck__(cls, instance) or isinstance(instance, _accepted(cls))
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        also = cls.__dict__.get("_also_accepts", ())
-        return type.__subclasscheck__(cls, subclass) or issubclass(subclass, also)
+        return type.__subclasscheck__(cls, subclass) or issubclass(subclass, _accepted(cls))
+
+
+def _accepted(cls: type) -> tuple[type, ...]:
+    also: tuple[type, ...] = cls.__dict__.get("_also_accepts", ())
+    if cls.__dict__.get("_torch_name") == _SHARDED and _SHARDED in _torch_classes:
+        also += (_torch_classes[_SHARDED],)  # known once its module was imported
+    return also
+
+
+#: torch's sharded scaler's module: torch.distributed.fsdp, 600 modules that patch_torch()
+#: imports only when the program does (see ampscaler.integrations.patch).
+_SHARDED = "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
+# torch's classes that a patch replaced, by qualified name, kept after unpatching.
+_torch_classes: dict[str, type] = {}
+
+
+def remember_torch_class(qualified_name: str, torch_class: type) -> None:
+    """Keep torch's class that a patch is replacing (the sharded stand-in builds from its
+    signature, and accepts its instances)."""
+    _torch_classes.setdefault(qualified_name, torch_class)
+
+
+def _torch_sharded() -> type:
+    """torch's ``ShardedGradScaler`` (importing its module when no patch has met it)."""
+    if _SHARDED not in _torch_classes:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as torchs
+
+        remember_torch_class(_SHARDED, torchs)
+    return _torch_classes[_SHARDED]
 
 
 def _build(
@@ -187,7 +214,8 @@ class TorchShardedGradScaler(ShardedGradScaler, metaclass=_StandsIn):
     (``device="cuda"``; ``process_group``: the default group) and the settings of
     :func:`~ampscaler.patch_torch`."""
 
-    _also_accepts: ClassVar[tuple[type, ...]] = (ShardedGradScaler, _TorchSharded)
+    _also_accepts: ClassVar[tuple[type, ...]] = (ShardedGradScaler,)
+    _torch_name: ClassVar[str] = _SHARDED  # torch's class is accepted too, once known
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _build(self, _TorchSharded, args, kwargs, ShardedGradScaler.__init__)
+        _build(self, _torch_sharded(), args, kwargs, ShardedGradScaler.__init__)

@@ -340,8 +340,8 @@ def _finite_flag(grad: torch.Tensor) -> torch.Tensor:
 class NonFiniteTracer:
     """Records finiteness flags of the gradients around watched modules, judged on demand.
 
-    Attach one to a scaler with ``scaler.attach(NonFiniteTracer())`` (or
-    ``GradScaler(..., trace_nonfinite=True)``): the scaler taps the models it watches, and the
+    Attach one to a scaler with ``scaler.attach(NonFiniteTracer())`` and ``scaler.watch(model)``:
+    the scaler taps the models it watches, and the
     :attr:`OverflowReport.origin` of a skipped step names the module whose backward produced
     the inf or NaN. Standalone, :meth:`watch` a model and judge :meth:`take`'s events with
     :meth:`origin` (see the module docstring).
