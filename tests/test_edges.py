@@ -246,3 +246,25 @@ def test_a_skipped_demo_step_says_why() -> None:
     for record in skipped:
         assert record.overflow is not None and record.overflow.cause == "gradients"
         assert record.overflow.names  # the parameters that held inf/NaN
+
+
+def test_rl_example_says_it_needs_transformers() -> None:
+    """Item 16: without transformers, examples/rl_fp16.py failed with ModuleNotFoundError deep
+    inside torchrun's traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "rl_fp16.py"
+    hidden = "import sys, runpy; sys.modules['transformers'] = None; sys.argv = ['rl_fp16.py']\n"
+    done = subprocess.run(
+        [sys.executable, "-c", hidden + f"runpy.run_path({str(example)!r}, run_name='__main__')"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=example.parent,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        'examples/rl_fp16.py needs transformers: pip install -e ".[transformers]"'
+    )
