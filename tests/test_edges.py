@@ -268,3 +268,36 @@ def test_rl_example_says_it_needs_transformers() -> None:
     assert done.stderr.strip() == (
         'examples/rl_fp16.py needs transformers: pip install -e ".[transformers]"'
     )
+
+
+class _SqrtBetween(torch.nn.Module):
+    """Two watched layers with a plain function between them (issue 34, item 9)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(3, 4, bias=False)
+        self.fc2 = torch.nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.sqrt((self.fc1(x) ** 2).sum(-1, keepdim=True)))
+
+
+def test_tracer_names_the_module_a_nan_between_layers_reached() -> None:
+    """Item 9: a NaN made by sqrt at 0 between fc1 and fc2 was blamed on "<loss>", while the
+    loss was finite and the report said cause "gradients"."""
+    torch.manual_seed(0)
+    model = _SqrtBetween()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.attach(ampscaler.NonFiniteTracer())
+    scaler.watch(model)
+    x = torch.ones(2, 3)
+    x[1] = 0.0  # an all-zero row: sqrt's gradient at 0 is inf, times 0 is NaN
+    loss = model(x).sum()
+    assert torch.isfinite(loss)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.last_overflow
+    assert report is not None and report.cause == "gradients"
+    assert report.origin == "fc1"
