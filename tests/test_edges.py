@@ -301,3 +301,15 @@ def test_tracer_names_the_module_a_nan_between_layers_reached() -> None:
     report = scaler.last_overflow
     assert report is not None and report.cause == "gradients"
     assert report.origin == "fc1"
+
+
+def test_charts_say_99_99_percent_and_list_layers_in_the_models_order() -> None:
+    """Item 11: 99.99% printed as "100.0%"; the per-layer charts of two runs listed the same
+    layers in different orders (each by its own worst first)."""
+    from ampscaler.report import percent, shown_modules
+
+    assert percent(0.9999) == "99.99%" and percent(0.99999) == "99.999%"
+    assert percent(0.865) == "86.5%" and percent(1.0) == "100.0%"
+    one_run = {"fc1": (0.0, 0.9), "fc2": (0.0, 0.1), "out": (0.0, 0.5)}
+    other_run = {"fc1": (0.0, 0.1), "fc2": (0.0, 0.9), "out": (0.0, 0.5)}
+    assert shown_modules(one_run) == shown_modules(other_run) == ["fc1", "fc2", "out"]
