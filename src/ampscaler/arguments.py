@@ -50,18 +50,20 @@ def refusing_removed_options(init: _Init) -> _Init:
     an option of :data:`REMOVED_OPTIONS` (Python's own says only "unexpected keyword").
 
     Example:
-        >>> @refusing_removed_options
-        ... def init(self, *, hysteresis=1): ...
-        >>> init(None, history_size=100)  # doctest: +ELLIPSIS
+        >>> class Scaler:
+        ...     @refusing_removed_options
+        ...     def __init__(self, *, hysteresis=1): ...
+        >>> Scaler(history_size=100)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        TypeError: GradScaler() no longer takes history_size= ...StepHistory(N)).
+        TypeError: Scaler() no longer takes history_size= ...StepHistory(N)).
     """
 
     @functools.wraps(init)
     def checked(*args: Any, **kwargs: Any) -> None:
         for name in kwargs.keys() & REMOVED_OPTIONS.keys():
+            made = type(args[0]).__name__ if args else "GradScaler"
             raise TypeError(
-                f"GradScaler() no longer takes {name}= (removed in ampscaler 0.2.0): use "
+                f"{made}() no longer takes {name}= (removed in ampscaler 0.2.0): use "
                 f"{REMOVED_OPTIONS[name]}."
             )
         init(*args, **kwargs)

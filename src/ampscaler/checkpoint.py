@@ -91,6 +91,10 @@ def _stats(counts: object) -> ScalerStats:
         raise InvalidConfigError(
             f"stats holds counters this version does not know: {unknown} (known: {_STAT_NAMES})."
         )
+    values = {
+        key: require_int(f"stats[{key!r}]", value, 0, INT64_MAX, integral_floats=True)
+        for key, value in counts.items()
+    }
     missing = [key for key in _FIRST_STATS if key not in counts]
     if missing:
         raise InvalidConfigError(
@@ -98,10 +102,6 @@ def _stats(counts: object) -> ScalerStats:
             "them would start them again at 0. Load the dict state_dict() returned, or one "
             "without a 'stats' key to start every counter at 0."
         )
-    values = {
-        key: require_int(f"stats[{key!r}]", value, 0, INT64_MAX, integral_floats=True)
-        for key, value in counts.items()
-    }
     return ScalerStats(**values)
 
 
