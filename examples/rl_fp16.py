@@ -12,7 +12,8 @@ it. The loss is REINFORCE with a group baseline (a response's reward minus its g
 Unlike verl, the scaler is saved in the checkpoint, so a resumed run keeps its scale instead
 of recalibrating it from 2**16.
 
-Run on CPU (gloo) or GPUs (NCCL); the second command resumes from the checkpoint the first
+It needs transformers (``pip install -e ".[transformers]"``). Run on CPU (gloo) or GPUs (NCCL);
+the second command resumes from the checkpoint the first
 one wrote and ends where an uninterrupted run ends::
 
     torchrun --nproc-per-node 2 examples/rl_fp16.py --steps 8 --save-at 4 --checkpoint /tmp/rl
@@ -23,6 +24,8 @@ for both ways of getting there.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -186,4 +189,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    try:
+        import transformers  # noqa: F401  (the policy is a transformers Qwen2)
+    except ModuleNotFoundError:
+        sys.exit('examples/rl_fp16.py needs transformers: pip install -e ".[transformers]"')
     run(main)

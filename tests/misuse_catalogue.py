@@ -164,6 +164,19 @@ CASES: tuple[Misuse, ...] = (
         in_torch=False,
     ),
     Misuse(_C, 'GradScaler("cpu", flat_grads="yes")', _CFG, ("flat_grads",), in_torch=False),
+    Misuse(
+        _C,
+        'GradScaler("cpu", max_scale=1024.0)',
+        _CFG,
+        ("the default", "Pass an init_scale"),
+        in_torch=False,
+    ),
+    Misuse(_K, 'GradScaler("cpu", history_size=100)', TypeError, ("history_size", "StepHistory")),
+    Misuse(_K, 'GradScaler("cpu", probe_every=10)', TypeError, ("probe_every", "GradientProbe")),
+    Misuse(
+        _K, 'GradScaler("cpu", trace_nonfinite=True)', TypeError, ("trace_nonfinite", "Tracer")
+    ),
+    Misuse(_K, 'GradScaler("cpu", dynamic=False)', TypeError, ("dynamic", "StaticPolicy")),
     Misuse(_O, "scaler.step(opt)", _USE, ("step()", "scaler.scale(loss)"), "model"),
     Misuse(_O, "scaler.unscale_(opt)", _USE, ("unscale_()", "scaler.scale(loss)"), "model"),
     Misuse(_O, "scaler.update()", _USE, ("update()", "scaler.scale(loss)"), "model"),
@@ -173,6 +186,13 @@ CASES: tuple[Misuse, ...] = (
         _O, "scaler.step(opt); scaler.unscale_(opt)", RuntimeError, ("after step()",), "backward"
     ),
     Misuse(_O, "scaler.step(opt); scaler.step(opt)", RuntimeError, ("update()",), "backward"),
+    Misuse(
+        _O,
+        "scaler.unscale_(opt); scaler.scale(model(torch.ones(1, 2)).sum())",
+        _USE,
+        ("after scaler.unscale_(optimizer)", "scaler.update()"),
+        "backward",
+    ),
     Misuse(_O, "scaler.step(opt, closure=lambda: 0.0)", RuntimeError, ("Closure",), "backward"),
     Misuse(
         _O,
@@ -338,6 +358,13 @@ CASES: tuple[Misuse, ...] = (
         in_torch=False,
     ),
     Misuse(_S, "scaler.step(opt); copy.deepcopy(scaler)", _USE, ("pickled",), "backward"),
+    Misuse(
+        _S,
+        'scaler.load_state_dict(GradScaler("cpu", init_scale=8.0).state_dict())',
+        _USE,
+        ("middle of an iteration", "after scaler.update()"),
+        "backward",
+    ),
     Misuse(
         _K,
         'GradScaler("cpu", policy=StaticPolicy()).set_growth_factor(4.0)',

@@ -18,6 +18,7 @@ from .errors import (
     ScaleFloorWarning,
     ScalerUsageError,
     SinkError,
+    SinkWarning,
 )
 from .guards import SpikeGuard
 from .hooks import Hook
@@ -62,6 +63,7 @@ __all__ = [
     "ShardedGradScaler",
     "Sink",
     "SinkError",
+    "SinkWarning",
     "SpikeGuard",
     "StaticPolicy",
     "StepHistory",
@@ -72,7 +74,7 @@ __all__ = [
     "unpatch_torch",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> object:

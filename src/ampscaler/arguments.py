@@ -9,7 +9,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -18,12 +21,78 @@ from .policy import Policy, float32_value
 from .policy.base import require_int
 
 __all__ = [
+    "DEFAULT_INIT_SCALE",
     "check_attempts",
     "check_skip_limit",
     "check_switch",
     "device_and_enabled",
     "new_scale_value",
+    "refusing_removed_options",
+    "starting_scale",
 ]
+
+#: torch's (and ampscaler's) default ``init_scale``.
+DEFAULT_INIT_SCALE = 2.0**16
+
+#: The constructor options ampscaler 0.1.0 took and 0.2.0 removed, with what replaces each.
+REMOVED_OPTIONS = {
+    "history_size": "scaler.add_sink(ampscaler.StepHistory(N))",
+    "probe_every": "scaler.attach(ampscaler.GradientProbe(every=N))",
+    "trace_nonfinite": "scaler.attach(ampscaler.NonFiniteTracer()) and scaler.watch(model)",
+    "dynamic": "GradScaler(..., policy=ampscaler.StaticPolicy()) for a scale that never moves",
+}
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def refusing_removed_options(init: _Init) -> _Init:
+    """``init`` (a constructor), raising a ``TypeError`` that names the replacement when given
+    an option of :data:`REMOVED_OPTIONS` (Python's own says only "unexpected keyword").
+
+    Example:
+        >>> class Scaler:
+        ...     @refusing_removed_options
+        ...     def __init__(self, *, hysteresis=1): ...
+        >>> Scaler(history_size=100)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        TypeError: Scaler() no longer takes history_size= ...StepHistory(N)).
+    """
+
+    @functools.wraps(init)
+    def checked(*args: Any, **kwargs: Any) -> None:
+        for name in kwargs.keys() & REMOVED_OPTIONS.keys():
+            made = type(args[0]).__name__ if args else "GradScaler"
+            raise TypeError(
+                f"{made}() no longer takes {name}= (removed in ampscaler 0.2.0): use "
+                f"{REMOVED_OPTIONS[name]}."
+            )
+        init(*args, **kwargs)
+
+    return cast(_Init, checked)
+
+
+def starting_scale(policy: Policy, init_scale: object) -> float:
+    """The scale a scaler with ``policy`` starts from, given ``init_scale`` (validated).
+
+    Raises:
+        InvalidConfigError: ``init_scale`` is out of the policy's range; when it is the
+            default's value, the message says so (the user may never have written it).
+
+    Example:
+        >>> from ampscaler.policy import ScalePolicy
+        >>> starting_scale(ScalePolicy(max_scale=1024.0), 512.0)
+        512.0
+    """
+    try:
+        return policy.starting_scale(init_scale)
+    except InvalidConfigError as error:
+        if init_scale != DEFAULT_INIT_SCALE:
+            raise
+        raise InvalidConfigError(
+            f"init_scale is {DEFAULT_INIT_SCALE:g} (2**16), the default when none is passed, "
+            f"and this scaler's policy refuses it: {error} Pass an init_scale within the "
+            "bounds, e.g. GradScaler(..., max_scale=1024.0, init_scale=1024.0)."
+        ) from None
 
 
 def _device_type(device: object) -> str | None:

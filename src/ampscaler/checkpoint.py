@@ -80,6 +80,8 @@ class Loaded:
 
 
 _STAT_NAMES = [stat.name for stat in fields(ScalerStats)]
+#: The counters every version's state_dict holds (later ones start at 0 when absent).
+_FIRST_STATS = ("steps", "skipped", "growths", "backoffs", "consecutive_skips")
 
 
 def _stats(counts: object) -> ScalerStats:
@@ -94,6 +96,13 @@ def _stats(counts: object) -> ScalerStats:
         key: require_int(f"stats[{key!r}]", value, 0, INT64_MAX, integral_floats=True)
         for key, value in counts.items()
     }
+    missing = [key for key in _FIRST_STATS if key not in counts]
+    if missing:
+        raise InvalidConfigError(
+            f"stats lacks the counters {missing}, which every version saves: a dict missing "
+            "them would start them again at 0. Load the dict state_dict() returned, or one "
+            "without a 'stats' key to start every counter at 0."
+        )
     return ScalerStats(**values)
 
 
@@ -104,7 +113,7 @@ def _validated(saved: Mapping[str, Any], current: Policy, current_limit: int | N
     tracker = require_int(
         "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
     )
-    stats = _stats(saved.get("stats", {}))
+    stats = _stats(saved["stats"]) if "stats" in saved else ScalerStats()
     host = HostState(scale, tracker, own, stats)
     _trial_state(policy, host)
     return Loaded(policy, limit, host)

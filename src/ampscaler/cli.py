@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import runpy
@@ -345,6 +346,11 @@ def _run_target(args: argparse.Namespace) -> int:
         sys.argv = target
         sys.path[0] = os.path.dirname(os.path.abspath(target[0]))  # as python script.py does
         runpy.run_path(target[0], run_name="__main__")
+    # DDP and FSDP keep their process group in reference cycles: freed here, while Python is
+    # whole, gloo's threads are joined; left to interpreter shutdown, a process group still
+    # alive aborts the rank after its work is done ("terminate called without an active
+    # exception").
+    gc.collect()
     return 0
 
 

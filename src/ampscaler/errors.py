@@ -23,6 +23,7 @@ __all__ = [
     "ScaleFloorWarning",
     "ScalerUsageError",
     "SinkError",
+    "SinkWarning",
     "warn_at_caller",
 ]
 
@@ -118,8 +119,10 @@ _ADVICE = {
 class ScaleFloorWarning(RuntimeWarning):
     """The scale reached its floor, ``2**-126``, where backing off cannot go further.
 
-    Issued once per stay at the floor (see :class:`~ampscaler.CollapseWatch`), before any step
-    runs there on the non-fused path. The message says how many steps in a row were skipped
+    Issued once per scaler, the first time the scale reaches the floor (see
+    :class:`~ampscaler.CollapseWatch`), before any step runs there on the non-fused path; a
+    scale that leaves the floor and comes back calls the ``"collapse"`` callbacks again, but
+    does not warn again. The message says how many steps in a row were skipped
     and in how many of them the loss itself was already inf/NaN (then lowering the scale never
     could help). To stop a run there instead of training on at a scale where float16 gradients
     underflow: ``warnings.simplefilter("error", ampscaler.ScaleFloorWarning)``.
@@ -130,6 +133,16 @@ class SinkError(OSError):
     """A telemetry sink could not open or write its destination (a JSONL path, a log dir).
 
     An :class:`OSError`, as the failed ``open()`` underneath; the message names the path.
+    """
+
+
+class SinkWarning(RuntimeWarning):
+    """A sink's ``write`` or an event callback raised: it is reported once with this warning,
+    and the other sinks and callbacks are still served (a full disk under a
+    :class:`~ampscaler.JsonlSink` starves neither TensorBoard nor the callbacks).
+
+    To stop training on the first failure instead:
+    ``warnings.simplefilter("error", ampscaler.SinkWarning)``.
     """
 
 

@@ -227,6 +227,40 @@ class Iteration:
         made = self.records[id(optimizer)] = OptimizerRecord(optimizer)
         return made
 
+    def require_unstarted(self, funcname: str) -> None:
+        """Raise if the iteration has begun: a loss was scaled, or an optimizer unscaled or
+        stepped (stricter than torch, see docs/migration.md).
+
+        Raises:
+            ScalerUsageError: ``scale()``, ``unscale_()`` or ``step()`` came since the last
+                ``update()``.
+        """
+        if self.losses or self.records:
+            raise ScalerUsageError(
+                f"scaler.{funcname}() was called in the middle of an iteration (after "
+                "scale(), unscale_() or step(), before update()): the gradients already hold "
+                "the old scale, and step() would unscale them by the new one. Call it before "
+                "scale() or after scaler.update(); the scaler is unchanged."
+            )
+
+    def require_none_unscaled(self) -> None:
+        """Raise if an optimizer was unscaled and not stepped: a loss scaled now would add
+        scaled gradients to unscaled ones, and ``step()`` would take the sum as unscaled
+        (stricter than torch, see docs/migration.md).
+
+        Raises:
+            ScalerUsageError: ``unscale_()`` came since the last ``update()`` and ``step()``
+                did not.
+        """
+        if any(record.stage is OptState.UNSCALED for record in self.records.values()):
+            raise ScalerUsageError(
+                "scaler.scale() was called after scaler.unscale_(optimizer) and before its "
+                "step() and update(): the new scaled gradients would be added to unscaled "
+                "ones and step() would apply the sum unscaled. Call unscale_() after the last "
+                "backward() of the iteration. If an iteration was interrupted after "
+                "unscale_(), zero the gradients and call scaler.update() to end it."
+            )
+
     @property
     def stepped(self) -> bool:
         """Whether any optimizer has been stepped in this iteration."""
@@ -246,6 +280,13 @@ class Iteration:
         if len(losses) > _KEEP_LOSSES:
             losses[:] = [_loss_sum(losses)]
             self.losses_summed = True
+
+    def __getstate__(self) -> dict[str, object]:
+        # A copy (copy.deepcopy, pickle) taken after scale() carries the losses detached: a
+        # loss that is not a graph leaf refuses deepcopy, and a copy holds no autograd graph.
+        state = self.__dict__.copy()
+        state["losses"] = [loss.detach() for loss in self.losses]
+        return state
 
     def let_go_of_losses(self, clean: bool) -> None:
         """At ``update()``: the iteration is kept for its report until the next one ends, and

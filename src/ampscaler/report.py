@@ -201,13 +201,17 @@ def _count(number: int, noun: str) -> str:
 
 
 def percent(fraction: float) -> str:
-    """A share as the report and the demo's table write it: one decimal, and 2 significant
-    digits below 0.1%, so that a small share does not read as 0.
+    """A share as the report and the demo's table write it: one decimal, 2 significant digits
+    below 0.1% so that a small share does not read as 0, and as many decimals as it takes
+    above 99.9% so that a share short of all does not read as 100%.
 
     Example:
-        >>> percent(0.865), percent(0.0000012), percent(0.0)
-        ('86.5%', '0.00012%', '0.0%')
+        >>> percent(0.865), percent(0.0000012), percent(0.0), percent(0.9999), percent(1.0)
+        ('86.5%', '0.00012%', '0.0%', '99.99%', '100.0%')
     """
+    if 0.999 < fraction < 1.0:
+        short = 100 * (1.0 - fraction)  # what is missing, in percent: one significant digit
+        return f"{100 * fraction:.{max(1, -math.floor(math.log10(short) + 1e-9))}f}%"
     if fraction == 0.0 or fraction >= 0.001:
         return f"{fraction:.1%}"
     return f"{100 * fraction:.2g}%"
@@ -416,6 +420,19 @@ def _module_shares(probes: Probes) -> dict[str, tuple[float, float]]:
     return {name: (math.nan, fraction) for name, fraction in last.items()}
 
 
+def shown_modules(shares: dict[str, tuple[float, float]]) -> list[str]:
+    """The modules a per-module chart shows: the worst (by zero-or-subnormal share, then
+    flushed), at most ten, in the model's order (``shares``' order, as the probes met
+    them), so that every run's chart lists its layers in the same order.
+
+    Example:
+        >>> shown_modules({"fc1": (0.1, 0.2), "fc2": (0.5, 0.9), "out": (0.0, 0.0)})
+        ['fc1', 'fc2', 'out']
+    """
+    worst = sorted(shares, key=lambda name: shares[name][::-1], reverse=True)[:_MODULES_SHOWN]
+    return [name for name in shares if name in set(worst)]
+
+
 def plot_modules(probes: Probes, path: Path, label: str | None = None) -> Path | None:
     """The watched modules' activation gradients over ``probes``: the share flushed to zero
     and the share zero or subnormal, for the worst modules, with each value written at its
@@ -427,10 +444,10 @@ def plot_modules(probes: Probes, path: Path, label: str | None = None) -> Path |
     those are drawn alone.
     """
     shares = _module_shares(probes)
-    worst = sorted(shares, key=lambda name: shares[name][::-1], reverse=True)[:_MODULES_SHOWN]
-    if not any(shares[name][1] > 0 for name in worst):
+    shown = shown_modules(shares)
+    if not any(shares[name][1] > 0 for name in shown):
         return None
-    names = worst[::-1]  # barh draws bottom-up: the worst on top
+    names = shown[::-1]  # barh draws bottom-up: the model's first module on top
     counted = bool(module_counts(probes))
     series = [("zero or subnormal in fp16 (|g| < 2^-14)", 1, _SUBNORMAL_COLOR)]
     if counted:  # the flushed bar above the subnormal one, in each module's row

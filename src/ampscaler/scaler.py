@@ -35,6 +35,8 @@ from .arguments import (
     check_switch,
     device_and_enabled,
     new_scale_value,
+    refusing_removed_options,
+    starting_scale,
 )
 from .checkpoint import from_state_dict, to_state_dict
 from .compat import TorchPrivateNames
@@ -233,6 +235,7 @@ class GradScaler(TorchPrivateNames):
     #: clean; :class:`~ampscaler.ShardedGradScaler` sets it ``False``).
     _refuses_unchecked: bool = True
 
+    @refusing_removed_options
     def __init__(
         self,
         device: str | torch.device | None = None,
@@ -257,7 +260,7 @@ class GradScaler(TorchPrivateNames):
             "min_scale": min_scale, "max_scale": max_scale,
         }  # fmt: skip
         chosen = policy_from_arguments(policy, rule)
-        self._init_scale = chosen.starting_scale(init_scale)
+        self._init_scale = starting_scale(chosen, init_scale)
         self._init_growth_tracker = 0
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
         self._planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
@@ -314,10 +317,14 @@ class GradScaler(TorchPrivateNames):
 
         Raises:
             ValueError: a leaf that is not a tensor.
+            RuntimeError: an optimizer was unscaled (``unscale_``) and not yet stepped in this
+                iteration (stricter than torch: :class:`~ampscaler.ScalerUsageError`).
         """
         if not self._enabled:
             return outputs
         compiling = torch.compiler.is_compiling()
+        if not compiling and self._iteration.records:
+            self._iteration.require_none_unscaled()
         # The losses are kept (not read) for the skip's cause and the guards.
         if not compiling and self._bf16.active:
             self._bf16.look_at_loss(outputs, self._device)
@@ -984,12 +991,15 @@ class GradScaler(TorchPrivateNames):
         counters at 0. The live state is overwritten in place. No-op when disabled.
 
         Raises:
-            RuntimeError: an empty dict (saved from a disabled scaler).
+            RuntimeError: an empty dict (saved from a disabled scaler); called mid-iteration,
+                after ``scale()`` and before ``update()`` (stricter than torch:
+                :class:`~ampscaler.ScalerUsageError`).
             KeyError / ValueError: a dict that is not a scaler's, or holds invalid values
                 (:class:`~ampscaler.InvalidStateDictError` is both).
         """
         if not self._enabled:
             return
+        self._iteration.require_unstarted("load_state_dict")
         loaded = from_state_dict(state_dict, self._state.policy, self._max_consecutive_skips)
         restores = [hook.prepare_load(state_dict) for hook in self._hooks]
         # Everything is valid: from here on nothing raises.

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from .arguments import refusing_removed_options
 from .errors import InvalidConfigError
 from .scaler import GradScaler
 
@@ -103,6 +104,7 @@ class ShardedGradScaler(GradScaler):
     # torch's sharded scaler gives an optimizer without gradients on any rank a clean flag
     _refuses_unchecked = False
 
+    @refusing_removed_options
     def __init__(
         self,
         device: str | torch.device | None = None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -231,10 +232,41 @@ def _save_png(figure: Figure, path: Path) -> Path:
     return path
 
 
-def _progress(name: str, steps: int, enabled: bool) -> tuple[Callable[[StepRecord], None], Any]:
+class _ProgressLines:
+    """Progress as about ten plain lines per arm, for a stream that is not a terminal (a log a
+    run is redirected into would otherwise fill with a bar's ``\r`` updates)."""
+
+    def __init__(self, name: str, steps: int, stream: TextIO) -> None:
+        self._name, self._steps, self._stream = name, steps, stream
+        self._every = max(1, steps // 10)
+
+    def advance(self, record: StepRecord) -> None:
+        done = record.step + 1
+        if done % self._every == 0 or done == self._steps:
+            loss = record.loss if record.loss is not None else math.nan
+            self._stream.write(
+                f"{self._name}: step {done}/{self._steps}, loss {loss:.2e}, "
+                f"scale {record.scale:g}\n"
+            )
+            self._stream.flush()
+
+    def close(self) -> None:
+        """Nothing to close (as a bar's ``close``)."""
+
+
+def _progress(
+    name: str, steps: int, enabled: bool, stream: TextIO | None = None
+) -> tuple[Callable[[StepRecord], None], Any]:
+    """A progress bar on ``stream`` (stderr), or plain lines when it is not a terminal."""
+    stream = sys.stderr if stream is None else stream
+    if enabled and not stream.isatty():
+        lines = _ProgressLines(name, steps, stream)
+        return lines.advance, lines
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=steps, desc=f"{name:<16}", unit="step", disable=not enabled, leave=True)
+    bar = tqdm(
+        total=steps, desc=f"{name:<16}", unit="step", disable=not enabled, leave=True, file=stream
+    )
 
     def advance(record: StepRecord) -> None:
         bar.update(1)
@@ -282,7 +314,8 @@ def run_demo(
     """Train the arms of :func:`demo_arms` with ``config`` and write the summary, log and plots
     into ``out``.
 
-    ``out`` must exist. Progress bars go to stderr (off with ``progress=False``).
+    ``out`` must exist. Progress bars go to stderr, as plain lines when it is not a terminal
+    (off with ``progress=False``).
 
     Raises:
         ValueError: ``policy`` is not one of :data:`POLICIES`.

@@ -297,6 +297,8 @@ class _ArmTrainer:
             new_scale=self._scale(),
             skipped=skipped,
             time=time.time(),
+            # why a step was skipped (ampscaler's scaler says; torch's has no report)
+            overflow=getattr(self.scaler, "last_overflow", None) if skipped else None,
             probe=pending.read(scale) if pending is not None else None,
             loss=loss,
             lr=lr,

@@ -37,9 +37,13 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 from collections.abc import Callable, Sequence
-from types import TracebackType
+from importlib.machinery import ModuleSpec
+from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from . import standins
@@ -66,21 +70,38 @@ _NAMES: tuple[tuple[str, str, type], ...] = (
      standins.TorchShardedGradScaler),
 )  # fmt: skip
 
+#: Modules whose names are replaced only once the program imports them (torch's FSDP).
+_LATE = "torch.distributed.fsdp"
+
 # While patched: the object each replaced name held before, by (module, name).
 _originals: dict[tuple[str, str], object] = {}
+# The patches not yet exited, oldest first: the last one's settings are in force.
+_in_force: list[TorchPatch] = []
 
 
 class TorchPatch:
     """What one :func:`patch_torch` call did. As a context manager it undoes that call on
-    exit: torch as it was before the call (unpatched, or patched with the earlier settings).
+    exit: the settings of the latest call still in force take over, and when none is left,
+    torch is unpatched. Handles may exit in any order (two ``with`` blocks that overlap
+    without nesting, a handle exited from another function): torch is restored when the last
+    one exits.
 
     Attributes:
         settings: the settings this call put in force.
+
+    Example:
+        >>> import torch, ampscaler
+        >>> first, second = ampscaler.patch_torch(hysteresis=2), ampscaler.patch_torch()
+        >>> first.__exit__(None, None, None)       # out of order: the second's settings stay
+        >>> torch.amp.GradScaler("cpu").policy.hysteresis
+        1
+        >>> second.__exit__(None, None, None)      # the last one: torch is torch again
+        >>> torch.amp.GradScaler.__module__
+        'torch.amp.grad_scaler'
     """
 
-    def __init__(self, settings: PatchSettings, before: PatchSettings | None) -> None:
+    def __init__(self, settings: PatchSettings) -> None:
         self.settings = settings
-        self._before = before
 
     def __enter__(self) -> TorchPatch:
         return self
@@ -91,10 +112,13 @@ class TorchPatch:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._before is None:
-            unpatch_torch()
+        if not any(patch is self for patch in _in_force):
+            return  # exited already, or unpatch_torch() came first
+        _in_force[:] = [patch for patch in _in_force if patch is not self]
+        if _in_force:
+            _activate(_in_force[-1].settings)
         else:
-            _activate(self._before)
+            unpatch_torch()
 
     def __repr__(self) -> str:
         return f"TorchPatch({self.settings})"
@@ -121,8 +145,9 @@ def patch_torch(
 
     Each scaler built through torch's names gets torch's arguments as the call gave them,
     torch's defaults for the rest (``torch.amp.GradScaler()`` is for ``"cuda"``, as in torch),
-    and the settings. Calling it again replaces the settings (torch's names stay patched once);
-    :func:`unpatch_torch` restores torch's own objects. Use it before the framework builds its
+    and the settings. Calling it again replaces the settings until its handle exits (torch's
+    names stay patched once; see :class:`TorchPatch`); :func:`unpatch_torch` restores torch's
+    own objects. Use it before the framework builds its
     scaler, and before importing a framework that imports torch's class at module level.
     Nothing syncs here; the scalers built sync as documented for
     :class:`~ampscaler.GradScaler`.
@@ -185,19 +210,93 @@ def patch_torch(
             configure=configure,
         )
     )
-    before = standins.settings_in_force()
+    return _push(settings)
+
+
+def _push(settings: PatchSettings) -> TorchPatch:
+    """Patch with ``settings``, in force until the handle returned exits."""
+    patch = TorchPatch(settings)
+    _in_force.append(patch)
     _activate(settings)
-    return TorchPatch(settings, before)
+    return patch
 
 
 def _activate(settings: PatchSettings) -> None:
-    if not _originals:
+    if not (_originals or _on_import.waiting):
         for module_name, name, stand_in in _NAMES:
-            module = importlib.import_module(module_name)
-            if hasattr(module, name):
-                _originals[module_name, name] = getattr(module, name)
-                setattr(module, name, stand_in)
+            if module_name.startswith(_LATE) and module_name not in sys.modules:
+                _on_import.wait_for(module_name, name, stand_in)
+            else:
+                _replace(importlib.import_module(module_name), name, stand_in)
     standins.set_settings(settings)
+
+
+def _replace(module: ModuleType, name: str, stand_in: type) -> None:
+    if hasattr(module, name):
+        original = getattr(module, name)
+        _originals[module.__name__, name] = original
+        standins.remember_torch_class(f"{module.__name__}.{name}", original)
+        setattr(module, name, stand_in)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Replaces names in modules the program imports after the patch, as each is imported.
+
+    torch's FSDP package is some 600 modules; importing it at every patch (for the sharded
+    scaler's name) made exit hangs of gloo jobs that never use FSDP several times likelier (a
+    race in torch's teardown, between a finished all-reduce's cleanup and the process group's
+    destructor; docs/distributed.md). Code that imports FSDP after the patch still gets the
+    stand-in, in ``from ... import ShardedGradScaler`` too.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[tuple[str, type]]] = {}
+
+    def wait_for(self, module_name: str, name: str, stand_in: type) -> None:
+        if not self.waiting and self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+        self.waiting.setdefault(module_name, []).append((name, stand_in))
+
+    def stop(self) -> None:
+        self.waiting.clear()
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> ModuleSpec | None:
+        if fullname not in self.waiting:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, self.waiting.pop(fullname))
+        if not self.waiting:
+            sys.meta_path.remove(self)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """A module's own loader, then the names replaced."""
+
+    def __init__(self, loader: importlib.abc.Loader, names: list[tuple[str, type]]) -> None:
+        self._loader = loader
+        self._names = names
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        if _in_force:  # still patched
+            for name, stand_in in self._names:
+                _replace(module, name, stand_in)
+
+
+_on_import = _PatchOnImport()
 
 
 def unpatch_torch() -> None:
@@ -216,6 +315,8 @@ def unpatch_torch() -> None:
     for (module_name, name), original in _originals.items():
         setattr(importlib.import_module(module_name), name, original)
     _originals.clear()
+    _on_import.stop()
+    _in_force.clear()
     standins.set_settings(None)
 
 
@@ -241,5 +342,4 @@ def setup_hook() -> None:
             unknown setting, or a setting :func:`patch_torch` refuses.
     """
     text = os.environ.get(ENV_VAR)
-    settings = PatchSettings() if text is None else from_json(text, ENV_VAR)
-    _activate(settings)
+    _push(PatchSettings() if text is None else from_json(text, ENV_VAR))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -112,8 +113,9 @@ def _imported(path: str, setting: str) -> Any:
 
 
 def _factory(value: object, setting: str) -> Factory:
-    if isinstance(value, str):
-        value = _imported(value, setting)
+    named = value if isinstance(value, str) else None
+    if named is not None:
+        value = _imported(named, setting)
     if not callable(value):
         raise TypeError(
             f"{setting} takes factories (functions or classes called with no argument), one "
@@ -121,6 +123,18 @@ def _factory(value: object, setting: str) -> Factory:
             "torch's names build would mix their runs. Pass, for example, "
             "guards=[lambda: SpikeGuard(sigma=6.0)] or guards=[SpikeGuard]."
         )
+    try:
+        inspect.signature(value).bind()
+    except ValueError:
+        pass  # no signature to read (a builtin): it is called as it is
+    except TypeError as error:
+        shown = named or getattr(value, "__qualname__", repr(value))
+        raise TypeError(
+            f"{setting} takes factories called with no argument, one per scaler built, but "
+            f"{shown} needs one ({error}). Name a function of no argument that makes it, for "
+            "example one in your module that returns JsonlSink(f'steps-{os.getpid()}.jsonl'), "
+            "or pass lambda: ... from Python."
+        ) from None
     return value
 
 
@@ -239,7 +253,11 @@ def from_json(text: str, variable: str) -> PatchSettings:
     """
     where = f"{variable}={text!r}"
     try:
-        parsed = json.loads(text)
+        parsed = json.loads(text, object_pairs_hook=_without_repeats)
+    except _RepeatedKeyError as error:
+        raise InvalidConfigError(
+            f"{where} names the setting {error.args[0]!r} more than once; keep one."
+        ) from None
     except json.JSONDecodeError as error:
         raise InvalidConfigError(
             f"{where} is not valid JSON ({error}); set it to a JSON object of patch_torch "
@@ -263,3 +281,16 @@ def from_json(text: str, variable: str) -> PatchSettings:
         return checked(PatchSettings(**parsed))
     except (InvalidConfigError, TypeError) as error:
         raise InvalidConfigError(f"{where}: {error}") from error
+
+
+class _RepeatedKeyError(ValueError):
+    """A JSON object that names a key twice (``json`` would keep the last silently)."""
+
+
+def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _RepeatedKeyError(key)
+        found[key] = value
+    return found

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from torch.amp.grad_scaler import GradScaler as _TorchAmp
 from torch.cpu.amp.grad_scaler import GradScaler as _TorchCpu
 from torch.cuda.amp.grad_scaler import GradScaler as _TorchCuda
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchSharded
 
 from ..scaler import GradScaler
 from ..sharded import ShardedGradScaler
@@ -44,8 +44,8 @@ __all__ = [
     "TorchCudaGradScaler",
     "TorchGradScaler",
     "TorchShardedGradScaler",
+    "remember_torch_class",
     "set_settings",
-    "settings_in_force",
 ]
 
 _settings: PatchSettings | None = None
@@ -57,11 +57,6 @@ def set_settings(settings: PatchSettings | None) -> None:
     _settings = settings
 
 
-def settings_in_force() -> PatchSettings | None:
-    """What :func:`set_settings` last set."""
-    return _settings
-
-
 class _StandsIn(type):
     """Metaclass of the stand-ins: ``isinstance``/``issubclass`` against a stand-in itself (not
     against a class derived from it) also accept the classes in its ``_also_accepts``."""
@@ -69,12 +64,39 @@ class _StandsIn(type):
     _also_accepts: tuple[type, ...]
 
     def __instancecheck__(cls, instance: object) -> bool:
-        also = cls.__dict__.get("_also_accepts", ())
-        return type.__instancecheck__(cls, instance) or isinstance(instance, also)
+        return type.__instancecheck__(cls, instance) or isinstance(instance, _accepted(cls))
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        also = cls.__dict__.get("_also_accepts", ())
-        return type.__subclasscheck__(cls, subclass) or issubclass(subclass, also)
+        return type.__subclasscheck__(cls, subclass) or issubclass(subclass, _accepted(cls))
+
+
+def _accepted(cls: type) -> tuple[type, ...]:
+    also: tuple[type, ...] = cls.__dict__.get("_also_accepts", ())
+    if cls.__dict__.get("_torch_name") == _SHARDED and _SHARDED in _torch_classes:
+        also += (_torch_classes[_SHARDED],)  # known once its module was imported
+    return also
+
+
+#: torch's sharded scaler's module: torch.distributed.fsdp, 600 modules that patch_torch()
+#: imports only when the program does (see ampscaler.integrations.patch).
+_SHARDED = "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
+# torch's classes that a patch replaced, by qualified name, kept after unpatching.
+_torch_classes: dict[str, type] = {}
+
+
+def remember_torch_class(qualified_name: str, torch_class: type) -> None:
+    """Keep torch's class that a patch is replacing (the sharded stand-in builds from its
+    signature, and accepts its instances)."""
+    _torch_classes.setdefault(qualified_name, torch_class)
+
+
+def _torch_sharded() -> type:
+    """torch's ``ShardedGradScaler`` (importing its module when no patch has met it)."""
+    if _SHARDED not in _torch_classes:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as torchs
+
+        remember_torch_class(_SHARDED, torchs)
+    return _torch_classes[_SHARDED]
 
 
 def _build(
@@ -83,21 +105,47 @@ def _build(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     init: Callable[..., None],
-    device: str | None = None,
+    *,
+    named: Mapping[str, Any] = MappingProxyType({}),
+    default: Mapping[str, Any] = MappingProxyType({}),
 ) -> None:
-    """Build ``scaler`` with ``init`` for a call of ``torch_class`` (whose name fixes the
-    ``device``, for torch's deprecated names)."""
+    """Build ``scaler`` with ``init`` for a call of ``torch_class``. For torch's deprecated
+    names, what the name says of the device: ``named`` as if the call had passed it
+    (``torch.cpu.amp``), ``default`` as torch's default, which the ``device`` setting
+    overrides (``torch.cuda.amp.GradScaler()`` is ``torch.amp.GradScaler()``, whose device
+    defaults to ``"cuda"``)."""
     signature = inspect.signature(torch_class)
-    given = signature.bind(*args, **kwargs).arguments  # torch's TypeError for a wrong call
-    if device is not None:
-        given = {"device": device, **given}
+    given = {**named, **signature.bind(*args, **kwargs).arguments}  # torch's TypeError
     defaults = {
         name: p.default for name, p in signature.parameters.items() if p.default is not p.empty
     }
+    defaults.update(default)
     settings = _settings or PatchSettings()
     call = f"{torch_class.__module__}.{torch_class.__qualname__}"
     init(scaler, **merged_arguments(settings, call, given, defaults))
     settings.apply(scaler)
+
+
+#: A key of torch's scaler's pickled ``__dict__`` that ampscaler's never holds.
+_TORCH_ONLY = "_per_optimizer_states"
+
+
+def _torch_arguments(state: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments of the torch scaler whose pickled ``__dict__`` is ``state``."""
+    return {
+        "device": state["_device"],
+        "enabled": state["_enabled"],
+        **(
+            {
+                "init_scale": state["_init_scale"],
+                "growth_factor": state["_growth_factor"],
+                "backoff_factor": state["_backoff_factor"],
+                "growth_interval": state["_growth_interval"],
+            }
+            if state["_enabled"]
+            else {}
+        ),
+    }
 
 
 def _deprecated(device: str) -> None:
@@ -105,7 +153,7 @@ def _deprecated(device: str) -> None:
         f"`torch.{device}.amp.GradScaler(args...)` is deprecated. Please use "
         f"`torch.amp.GradScaler('{device}', args...)` instead.",
         FutureWarning,
-        stacklevel=4,
+        stacklevel=3,  # the line that called torch's name, as torch's warning points
     )
 
 
@@ -119,6 +167,24 @@ class TorchGradScaler(GradScaler, metaclass=_StandsIn):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _build(self, _TorchAmp, args, kwargs, GradScaler.__init__)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle: a scaler of this class, or one of torch's pickled before the patch (its
+        class's name now names this one), built with torch's arguments and values."""
+        if _TORCH_ONLY not in state:
+            super().__setstate__(state)
+            return
+        _build(self, _TorchAmp, (), _torch_arguments(state), GradScaler.__init__)
+        if self.is_enabled():  # torch's pickle holds its scale and tracker as numbers
+            self.load_state_dict(
+                {
+                    "scale": state["_init_scale"],
+                    "growth_factor": state["_growth_factor"],
+                    "backoff_factor": state["_backoff_factor"],
+                    "growth_interval": state["_growth_interval"],
+                    "_growth_tracker": state["_init_growth_tracker"],
+                }
+            )
+
 
 class TorchCudaGradScaler(TorchGradScaler):
     """``torch.cuda.amp.GradScaler`` while torch is patched (deprecated in torch, with its
@@ -128,7 +194,7 @@ class TorchCudaGradScaler(TorchGradScaler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _deprecated("cuda")
-        _build(self, _TorchCuda, args, kwargs, GradScaler.__init__, "cuda")
+        _build(self, _TorchCuda, args, kwargs, GradScaler.__init__, default={"device": "cuda"})
 
 
 class TorchCpuGradScaler(TorchGradScaler):
@@ -139,7 +205,7 @@ class TorchCpuGradScaler(TorchGradScaler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _deprecated("cpu")
-        _build(self, _TorchCpu, args, kwargs, GradScaler.__init__, "cpu")
+        _build(self, _TorchCpu, args, kwargs, GradScaler.__init__, named={"device": "cpu"})
 
 
 class TorchShardedGradScaler(ShardedGradScaler, metaclass=_StandsIn):
@@ -148,7 +214,8 @@ class TorchShardedGradScaler(ShardedGradScaler, metaclass=_StandsIn):
     (``device="cuda"``; ``process_group``: the default group) and the settings of
     :func:`~ampscaler.patch_torch`."""
 
-    _also_accepts: ClassVar[tuple[type, ...]] = (ShardedGradScaler, _TorchSharded)
+    _also_accepts: ClassVar[tuple[type, ...]] = (ShardedGradScaler,)
+    _torch_name: ClassVar[str] = _SHARDED  # torch's class is accepted too, once known
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _build(self, _TorchSharded, args, kwargs, ShardedGradScaler.__init__)
+        _build(self, _torch_sharded(), args, kwargs, ShardedGradScaler.__init__)

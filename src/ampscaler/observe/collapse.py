@@ -20,11 +20,12 @@ often in overflow reports. It fires again only after the run has recovered at a 
 The end of a collapse is the scale's floor, :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``):
 the scaler never goes below it (below it unscaling writes inf/NaN into finite gradients), so
 from there on backing off cannot help, and a finite step at that scale loses nearly every
-float16 gradient to underflow. Reaching it warns at once with a
-:class:`~ampscaler.ScaleFloorWarning` (and calls the ``"collapse"`` callbacks with the reason
-``"floor"``), saying how many steps in a row were skipped and in how many of them the loss
-itself was already inf/NaN, whatever ``log`` says. Non-fused optimizers hear it at the latest
-in the ``step()`` that skips at the floor, which has read its verdict and the scale anyway.
+float16 gradient to underflow. Reaching it the first time warns at once with a
+:class:`~ampscaler.ScaleFloorWarning` (and each time calls the ``"collapse"`` callbacks with
+the reason ``"floor"``), saying how many steps in a row were skipped and in how many of them
+the loss itself was already inf/NaN, whatever ``log`` says. Non-fused optimizers hear it at the
+latest in the ``step()`` that skips at the floor, which has read its verdict and the scale
+anyway.
 During a collapse whose scale has fallen below ``2**-64`` the watch looks after every update,
 so every optimizer hears it after the update that reached the floor, before a step runs there
 (on CUDA, once that update's non-blocking copy has landed); otherwise fused optimizers, which
@@ -235,7 +236,8 @@ class CollapseWatch:
         self._max_scale: float | None = None
         self._collapsing = False
         self._logged = False
-        self._at_floor = False  # warned for the scale's current stay at the floor
+        self._at_floor = False  # told of the scale's current stay at the floor
+        self._warned = False  # a ScaleFloorWarning was issued (once per scaler)
         self._window_ended: int | None = None  # the update that ended a window not yet judged
         self._last_scale = math.inf  # the scale in the latest copy
 
@@ -322,9 +324,10 @@ class CollapseWatch:
         callbacks: list[Callable[[CollapseAlert], Any]],
         latest_cause: Callable[[], str | None],
     ) -> None:
-        """Warn once per stay at the floor (:class:`~ampscaler.ScaleFloorWarning`), and call
-        ``callbacks`` with the alert. How many of the ``in_a_row`` skips came with a non-finite
-        loss: as the reports say, or at least the latest by ``latest_cause()``."""
+        """Call ``callbacks`` with the alert once per stay at the floor, and warn
+        (:class:`~ampscaler.ScaleFloorWarning`) at the first. How many of the ``in_a_row``
+        skips came with a non-finite loss: as the reports say, or at least the latest by
+        ``latest_cause()``."""
         if scale > LOWEST_SCALE:
             self._at_floor = False
             return
@@ -346,7 +349,9 @@ class CollapseWatch:
             in_a_row=in_a_row,
             loss_in_a_row=loss_in_a_row,
         )
-        warn_at_caller(str(alert), ScaleFloorWarning)
+        if not self._warned:  # a scale that leaves the floor and returns warns no more
+            self._warned = True
+            warn_at_caller(str(alert), ScaleFloorWarning)
         for fn in list(callbacks):
             fn(alert)
 

@@ -17,9 +17,11 @@ are these flags read (one host sync) and judged:
 * a module *produced* a non-finite gradient when its input or parameter gradients are
   non-finite while every gradient that arrived at its outputs was finite;
 * the origin is the first such module in backward order;
-* when no module produced one but some output gradient was already non-finite, the gradient
-  came from the loss (or from code between the watched modules and the loss):
-  :data:`LOSS_ORIGIN`.
+* when no module produced one but some output gradient was already non-finite: if the first
+  gradient backward brought to a watched module was, it came from the loss (or from code
+  between the loss and the watched modules), :data:`LOSS_ORIGIN`; otherwise from code between
+  two watched modules (a plain function such as ``sqrt`` at 0), and the origin is the first
+  module it reached.
 
 The tracer costs one small reduction per tapped tensor per backward, and a Python call per
 hook; see docs/diagnostics.md for measurements.
@@ -130,9 +132,11 @@ class OverflowReport:
         scale: the loss scale the gradients were computed with.
         rank: the process's rank in the default process group, or ``None`` when not distributed.
         origin: with a :class:`NonFiniteTracer` attached, the first watched module whose
-            backward produced a non-finite gradient; ``"<loss>"`` when the gradient arriving
-            from the loss (or from code outside the watched modules) was already non-finite;
-            ``None`` when not traced.
+            gradient turned non-finite: its backward produced it, or it received it from code
+            between it and the watched modules backward passed before (a plain function
+            between two layers); ``"<loss>"`` when the first gradient backward brought to the
+            watched modules was already non-finite (from the loss, or code between the loss
+            and them); ``None`` when not traced.
         ranks: with a scaler ``process_group`` (plain optimizers), the global ranks the
             trouble came from, the same on every rank (the whole group skipped the step with
             them): for cause ``"loss"`` the ranks whose loss was non-finite, else the ranks
@@ -340,8 +344,8 @@ def _finite_flag(grad: torch.Tensor) -> torch.Tensor:
 class NonFiniteTracer:
     """Records finiteness flags of the gradients around watched modules, judged on demand.
 
-    Attach one to a scaler with ``scaler.attach(NonFiniteTracer())`` (or
-    ``GradScaler(..., trace_nonfinite=True)``): the scaler taps the models it watches, and the
+    Attach one to a scaler with ``scaler.attach(NonFiniteTracer())`` and ``scaler.watch(model)``:
+    the scaler taps the models it watches, and the
     :attr:`OverflowReport.origin` of a skipped step names the module whose backward produced
     the inf or NaN. Standalone, :meth:`watch` a model and judge :meth:`take`'s events with
     :meth:`origin` (see the module docstring).
@@ -385,15 +389,21 @@ class NonFiniteTracer:
         devices = {flag.device for _, _, flag in events}
         target = next(iter(devices))
         finite = torch.stack([flag.to(target) for _, _, flag in events]).tolist()
-        received_bad = {
-            name
-            for (name, where, _), ok in zip(events, finite, strict=True)
-            if where == "output" and not ok
-        }
+        received = [
+            (name, ok) for (name, where, _), ok in zip(events, finite, strict=True)
+            if where == "output"
+        ]  # fmt: skip
+        received_bad = {name for name, ok in received if not ok}
         for (name, where, _), ok in zip(events, finite, strict=True):
             if where != "output" and not ok and name not in received_bad:
                 return name
-        return LOSS_ORIGIN if received_bad else None
+        if not received_bad:
+            return None
+        if not received[0][1]:  # the first gradient backward brought was already bad
+            return LOSS_ORIGIN
+        # Finite gradients reached a watched module first: the inf/NaN came from code between
+        # watched modules (a plain function), and reached this one first.
+        return next(name for name, ok in received if not ok)
 
     def __getstate__(self) -> dict[str, object]:
         # Hooks belong to this process and these models: a copy is a fresh tracer, tapping the

@@ -13,7 +13,8 @@ losses, the outcome) and never changes the step. It
 * at ``update()``, when anything consumes records (a sink, :class:`~ampscaler.StepHistory`
   included, or an event callback), reads the iteration's outcome from the device in one host
   sync and hands a :class:`~ampscaler.StepRecord` to the sinks, in the order they were added,
-  then to the callbacks.
+  then to the callbacks; one that raises is reported once and starves none of the others
+  (:mod:`~ampscaler.observe.delivery`).
 
 With no sink, no callback and no probe or tracer, ``update()`` costs a few attribute checks here
 and never waits for the device.
@@ -39,6 +40,7 @@ from ..hostcopy import read_values
 from ..taps import WatchedModels
 from . import localize
 from .collapse import CollapseAlert, CollapseWatch, OverflowTally, snapshot_of
+from .delivery import Delivery
 from .localize import NonFiniteTracer, OverflowReport, ParamNames, TraceEvent, merge_reports
 from .probe import GradientProbe, PendingProbe
 from .records import StepRecord
@@ -110,6 +112,7 @@ class Monitor(Hook):
         self._callbacks: dict[str, list[Callback]] = {event: [] for event in RECORD_EVENTS}
         self._collapse_callbacks: list[Callable[[CollapseAlert], Any]] = []
         self._record_callbacks = 0  # how many are registered in _callbacks
+        self._delivery = Delivery()  # a failing sink or callback starves no other
         self._probe: GradientProbe | None = None
         self._tracer: NonFiniteTracer | None = None
         self.collapse = CollapseWatch()
@@ -315,8 +318,9 @@ class Monitor(Hook):
             spike=not skipped and spike_flag > 0,
             attempt=iteration.attempt,
         )
+        delivery = self._delivery
         for sink in self._sinks:
-            sink.write(record)
+            delivery.hand(sink.write, record, sink)
         fired = [
             ("step", True),
             ("overflow", record.skipped),
@@ -326,7 +330,7 @@ class Monitor(Hook):
         for event, happened in fired:
             if happened:
                 for fn in list(self._callbacks[event]):
-                    fn(record)  # type: ignore[arg-type]  # record events take records
+                    delivery.hand(fn, record)
 
     # ------------------------------------------------------------------ overflow reports
 

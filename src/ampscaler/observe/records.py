@@ -237,6 +237,12 @@ def load_log(path: str | Path) -> StepLog:
                 "ampscaler.JsonlSink."
             ) from error
         records.append(_parse(path, number, data))
+    if not records and cut_short:
+        raise LogFormatError(
+            f"{path} is not an ampscaler step log: its only line is not JSON (binary data, "
+            "another format, or a run killed while writing its first record); pass a JSONL "
+            "log written by ampscaler.JsonlSink."
+        )
     if not records:
         raise LogFormatError(
             f"{path} holds no step records (it is empty); records are written at each "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections import deque
 from pathlib import Path
 from types import TracebackType
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 
 __all__ = ["JsonlSink", "LoggingSink", "Sink", "StepHistory", "TensorBoardSink"]
 
+#: The longest history a deque can hold (its ``maxlen`` is a C ``Py_ssize_t``).
+_LONGEST = sys.maxsize
+
 
 @runtime_checkable
 class Sink(Protocol):
@@ -49,8 +53,8 @@ class Sink(Protocol):
 class StepHistory:
     """Keeps the last ``maxlen`` step records in memory.
 
-    ``scaler.history`` reads the first one attached; ``GradScaler(..., history_size=N)`` attaches
-    ``StepHistory(N)``. Copies of a scaler keep it (with its records), unlike other sinks.
+    ``scaler.history`` reads the first one attached (``scaler.add_sink(StepHistory(N))``).
+    Copies of a scaler keep it (with its records), unlike other sinks.
 
     Args:
         maxlen: how many records to keep; older ones are dropped.
@@ -67,8 +71,10 @@ class StepHistory:
     """
 
     def __init__(self, maxlen: int) -> None:
-        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 1:
-            raise InvalidConfigError(f"StepHistory maxlen must be an int >= 1, got {maxlen!r}.")
+        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or not 1 <= maxlen <= _LONGEST:
+            raise InvalidConfigError(
+                f"StepHistory maxlen must be an int from 1 to {_LONGEST}, got {maxlen!r}."
+            )
         self._maxlen = maxlen
         self._records: deque[StepRecord] = deque(maxlen=maxlen)
 
@@ -129,8 +135,18 @@ class JsonlSink:
             ) from error
 
     def write(self, record: StepRecord) -> None:
-        """Append ``record`` as one line and flush it."""
+        """Append ``record`` as one line and flush it.
+
+        Raises:
+            SinkError: (an ``OSError``) the file cannot be written (a full disk).
+            ValueError: the sink was closed.
+        """
         line = record.to_json_line()
+        if self._file.closed:
+            raise ValueError(
+                f"{self!r} was closed and cannot write step {record.step}: remove it with "
+                "scaler.remove_sink(sink) before closing it, or close it after training."
+            )
         try:
             self._file.write(line + "\n")
             self._file.flush()
@@ -140,7 +156,7 @@ class JsonlSink:
             ) from error
 
     def close(self) -> None:
-        """Close the file (records written after this raise ``ValueError``)."""
+        """Close the file (records written after this raise a ``ValueError`` naming it)."""
         self._file.close()
 
     def __enter__(self) -> JsonlSink:
