@@ -83,6 +83,7 @@ class EngineSettings:
         # The scaler's own checks, on a throwaway scaler.
         GradScaler(
             "cpu",
+            init_scale=2.0**16 if self.max_scale is None else self.max_scale,
             policy=self.policy,
             max_scale=self.max_scale,
             max_consecutive_skips=self.max_consecutive_skips,
