@@ -104,8 +104,8 @@ def cuda_is_identity() -> Iterator[None]:
 def deepspeed_on_cpu() -> None:
     """DeepSpeed's CPU accelerator supports fp16, and builds no shared-memory op (for the rest
     of the process)."""
-    import deepspeed.comm.torch
     from deepspeed.accelerator import get_accelerator
 
     get_accelerator().is_fp16_supported = lambda: True
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # By its full name: the package's attribute `deepspeed.comm.torch` is torch itself.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

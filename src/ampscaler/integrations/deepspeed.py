@@ -270,7 +270,7 @@ class DeepSpeedScaler:
 
     def _start(self, scaler: GradScaler) -> None:
         self.scaler = scaler
-        self._engine = EngineScaler(scaler, torch.device("cpu"))
+        self._engine = EngineScaler(scaler, torch.device("cpu"), "deepspeed")
         self._scale = scaler.get_scale()
 
     # ------------------------------------------------------------------ DeepSpeed's interface

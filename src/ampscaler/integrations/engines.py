@@ -115,10 +115,14 @@ def accelerator_device() -> torch.device:
 
 class _Verdict(torch.optim.Optimizer):
     """An optimizer of one parameter whose gradient holds an engine's verdict: ``inf`` after an
-    overflow, ``0`` otherwise. The scaler checks it like any gradient; its step does nothing."""
+    overflow, ``0`` otherwise. The scaler checks it like any gradient; its step does nothing.
+    The parameter is ``found_inf`` of the module :attr:`named`, so that overflow reports name
+    it ``megatron.found_inf`` (or ``deepspeed.found_inf``)."""
 
     def __init__(self, device: torch.device) -> None:
-        flag = torch.zeros((), dtype=torch.float32, device=device, requires_grad=True)
+        self.named = torch.nn.Module()
+        flag = torch.nn.Parameter(torch.zeros((), dtype=torch.float32, device=device))
+        self.named.register_parameter("found_inf", flag)
         super().__init__([flag], {})
         flag.grad = torch.zeros_like(flag)
         self.flag = flag.grad
@@ -132,16 +136,18 @@ class EngineScaler:
 
     Example:
         >>> from ampscaler import GradScaler
-        >>> engine = EngineScaler(GradScaler("cpu", init_scale=1024.0), torch.device("cpu"))
+        >>> scaler = GradScaler("cpu", init_scale=1024.0)
+        >>> engine = EngineScaler(scaler, torch.device("cpu"), "megatron")
         >>> engine.record(True); engine.scaler.get_scale()
         512.0
         >>> engine.record(False); engine.scaler.stats.skipped
         1
     """
 
-    def __init__(self, scaler: GradScaler, device: torch.device) -> None:
+    def __init__(self, scaler: GradScaler, device: torch.device, engine: str) -> None:
         self.scaler = scaler
         self._verdict = _Verdict(device)
+        scaler.watch(**{engine: self._verdict.named})  # reports name `{engine}.found_inf`
         scaler._lazy_init_scale_growth_tracker(device)  # torch's name: the scale on `device`
 
     @property

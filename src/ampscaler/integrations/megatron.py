@@ -90,7 +90,7 @@ class MegatronScaler:
         self, scaler: GradScaler, device: torch.device | None = None, shared_by: int = 1
     ) -> None:
         self.scaler = scaler
-        self._engine = EngineScaler(scaler, device or accelerator_device())
+        self._engine = EngineScaler(scaler, device or accelerator_device(), "megatron")
         self._shared_by = shared_by
         self._reported: list[bool] = []
 

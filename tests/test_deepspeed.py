@@ -1,0 +1,147 @@
+"""DeepSpeed ZeRO-1, 2 and 3 train with ampscaler's scaler bit for bit as with their own.
+
+The real engine (deepspeed, installed by CI: scripts/install_engines.sh) on 1 and 2 CPU ranks
+with gloo, built by ``deepspeed.initialize`` from an ``"fp16"`` config section, with the CPU
+shims of tests/engine_shims.py. Skipped, saying so, where DeepSpeed is not installed.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "deepspeed", reason="DeepSpeed is not installed (bash scripts/install_engines.sh)"
+)
+
+import ampscaler
+import multirank
+from ampscaler.integrations import deepspeed as ds_integration
+from deepspeed_ranks import OVERFLOWS, STEPS, Run  # imports DeepSpeed; registers the scenarios
+
+
+def _same(run: Run, reference: Run) -> None:
+    assert run.stepped == reference.stepped
+    assert run.scales == reference.scales
+    assert all(torch.equal(a, b) for a, b in zip(run.params, reference.params, strict=True))
+
+
+def _check_twins(results: dict[str, Run]) -> None:
+    reference = results["deepspeed"]
+    assert reference.scaler == "DynamicLossScaler"
+    assert reference.stepped.count(False) >= 6  # the injected overflows skipped steps
+    assert len(set(reference.scales)) >= 4  # the scale backed off and grew
+    for name in ("ampscaler", "deepspeed_to_ampscaler", "ampscaler_to_deepspeed"):
+        _same(results[name], reference)
+    # DeepSpeed's own checkpoint loaded while patched comes back as ampscaler's scaler; an
+    # ampscaler checkpoint stays ampscaler's in an engine built unpatched.
+    assert results["deepspeed_to_ampscaler"].scaler == "DeepSpeedScaler"
+    assert results["ampscaler_to_deepspeed"].scaler == "DeepSpeedScaler"
+
+
+def test_zero_1_and_2_on_one_rank() -> None:
+    results = multirank.spawn(1, ["zero1_h1", "zero2_h2"])
+    for name in ("zero1_h1", "zero2_h2"):
+        _check_twins(results[0][name])
+
+
+def test_zero_2_consecutive_hysteresis_and_zero_3_on_two_ranks() -> None:
+    results = multirank.spawn(2, ["zero2_h2_consecutive", "zero3_h3"])
+    for rank in range(2):
+        for name in ("zero2_h2_consecutive", "zero3_h3"):
+            _check_twins(results[rank][name])
+    # an overflow on either rank skipped the step on both
+    expected = [step not in OVERFLOWS for step in range(STEPS)]
+    assert results[0]["zero3_h3"]["ampscaler"].stepped == expected
+    assert results[1]["zero3_h3"]["ampscaler"].stepped == expected
+
+
+def test_at_the_minimum_on_every_rank() -> None:
+    results = multirank.spawn(2, ["zero_minimum"])
+    for rank in range(2):
+        outcome: dict[str, Any] = results[rank]["zero_minimum"]
+        deepspeed_steps, kind, message = outcome["deepspeed"]
+        assert kind == "Exception" and "already at minimum" in message
+        # by default where DeepSpeed raises, as ampscaler's error, which says what to do
+        steps, kind, message = outcome["ampscaler"]
+        assert (steps, kind) == (deepspeed_steps, "PersistentOverflowError")
+        assert "max_consecutive_skips=N" in message
+        # with max_consecutive_skips=6: on through the minimum, then ampscaler's error
+        steps, kind, message = outcome["ampscaler_limit"]
+        assert (steps, kind) == (2 + 5, "PersistentOverflowError")
+        assert "6 optimizer steps in a row were skipped" in message
+        assert "deepspeed.found_inf" in message
+
+
+@pytest.fixture
+def rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's scaler logs its overflows on rank 0, asking DeepSpeed's communication
+    backend for the rank: outside an engine, this process is rank 0."""
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda group=None: 0)
+
+
+@pytest.mark.usefixtures("rank_zero")
+def test_policy_matches_deepspeeds_update_scale_for_random_overflows() -> None:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    generator = torch.Generator().manual_seed(0)
+    for case in range(24):
+        window, hysteresis = 1 + case % 4, 1 + case % 3
+        consecutive = case % 2 == 1
+        theirs = DynamicLossScaler(2.0**12, window, 2.0, hysteresis, consecutive, False)
+        policy = ds_integration.DeepSpeedPolicy(window, hysteresis, consecutive, 2.0)
+        state = policy.initial_state(2.0**12, torch.device("cpu"))
+        overflows = torch.rand(80, generator=generator) < 0.3 + 0.1 * (case % 3)
+        for overflow in overflows.tolist():
+            theirs.update_scale(overflow)
+            policy.update_(state, torch.tensor(float(overflow)))
+            assert state.scale.item() == theirs.cur_scale
+            assert max(state.hysteresis_left.item(), 1) == theirs.cur_hysteresis
+
+
+@pytest.mark.usefixtures("rank_zero")
+def test_a_deepspeed_scaler_pickled_midway_resumes_as_the_same_rule() -> None:
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    theirs = loss_scaler.DynamicLossScaler(2.0**10, 3, 1.0, 2, False)
+    sequence = [False, True, False, False, False, False, True, True, False, False]
+    for overflow in sequence:
+        theirs.update_scale(overflow)
+    saved = pickle.dumps(theirs)
+    with ds_integration.patch_deepspeed():
+        mine = pickle.loads(saved)
+    assert isinstance(mine, ds_integration.DeepSpeedScaler)
+    assert loss_scaler.DynamicLossScaler is not ds_integration.DeepSpeedScaler  # undone
+    for overflow in [False] * 7 + [True, False, False, False, False]:
+        theirs.update_scale(overflow)
+        mine.update_scale(overflow)
+        assert mine.cur_scale == theirs.cur_scale
+    again = pickle.loads(pickle.dumps(mine))  # ampscaler's pickles as ampscaler's
+    assert again.cur_scale == mine.cur_scale and again.scaler.stats == mine.scaler.stats
+
+
+def test_settings_are_checked_and_the_patch_nests() -> None:
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    original = loss_scaler.DynamicLossScaler
+    with pytest.raises(ampscaler.InvalidConfigError, match="measured gradients"):
+        ds_integration.patch_deepspeed(policy=ampscaler.HeadroomPolicy())
+    assert loss_scaler.DynamicLossScaler is original
+    with ds_integration.patch_deepspeed(max_consecutive_skips=4):
+        with ds_integration.patch_deepspeed(max_scale=2.0**11):
+            inner = loss_scaler.CreateLossScaler(torch.half, 0, True, {
+                "init_scale": 2**10, "scale_window": 1, "min_scale": 1,
+                "delayed_shift": 2, "consecutive_hysteresis": False,
+            })  # fmt: skip
+        outer = loss_scaler.DynamicLossScaler(2**10, 1, 1, 2, False)
+    assert loss_scaler.DynamicLossScaler is original
+    assert inner.scaler.policy.max_scale == 2.0**11 and inner.raise_error_at_min_scale
+    assert outer.scaler.policy.max_scale is None and not outer.raise_error_at_min_scale
+    inner.update_scale(False)
+    inner.update_scale(False)
+    assert inner.cur_scale == 2.0**11  # grew to the bound, one step later than torch's rule
