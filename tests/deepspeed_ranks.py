@@ -19,7 +19,8 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param
 
 import multirank
-from ampscaler.integrations.deepspeed import patch_deepspeed
+from ampscaler import patch_torch
+from ampscaler.integrations.deepspeed import agree_across_ranks, patch_deepspeed
 from engine_shims import deepspeed_on_cpu
 
 STEPS = 20
@@ -148,10 +149,13 @@ def _scenario(stage: int, hysteresis: int, consecutive: bool = False) -> Any:
     return run
 
 
-def _minimum(rank: int, world: int) -> Any:
-    deepspeed_on_cpu()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    return stuck_at_minimum(rank, world)
+def _on_cpu(body: Any) -> Any:
+    def run(rank: int, world: int) -> Any:
+        deepspeed_on_cpu()
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        return body(rank, world)
+
+    return run
 
 
 multirank.SCENARIOS.update(
@@ -160,6 +164,45 @@ multirank.SCENARIOS.update(
         "zero2_h2": _scenario(2, 2),
         "zero2_h2_consecutive": _scenario(2, 2, consecutive=True),
         "zero3_h3": _scenario(3, 3),
-        "zero_minimum": _minimum,
+        "zero_minimum": _on_cpu(stuck_at_minimum),
+        "autocast_torch": _on_cpu(lambda r, w: autocast_route(r, w, False, norm=False)),
+        "autocast_patched": _on_cpu(lambda r, w: autocast_route(r, w, True, norm=False)),
+        "autocast_agreed": _on_cpu(lambda r, w: autocast_route(r, w, True, False, agree=True)),
+        "autocast_torch_norm": _on_cpu(lambda r, w: autocast_route(r, w, False, norm=True)),
+        "autocast_patched_norm": _on_cpu(lambda r, w: autocast_route(r, w, True, norm=True)),
     }
 )
+
+
+def autocast_route(
+    rank: int, world: int, patched: bool, norm: bool, agree: bool = False
+) -> list[float]:
+    """ZeRO-1 with ``"torch_autocast"`` (fp16) builds ``torch.amp.GradScaler`` and steps its
+    partition of the parameters through it; with ``patched``, under ``patch_torch()``. At step
+    2 the gradient of the last bias (in the last rank's partition) overflows on rank 0. The
+    scale after every step, on this rank."""
+    settings = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+        "torch_autocast": {"enabled": True, "dtype": "float16"},
+        "zero_optimization": {"stage": 1, "compute_grad_norm": norm},
+        "gradient_clipping": 1.0 if norm else 0.0,
+        "steps_per_print": 10**6,
+    }
+    with patch_torch() if patched else contextlib.nullcontext():
+        engine = _engine(settings)
+    if agree:
+        agree_across_ranks(engine.optimizer)
+    last_bias = list(engine.module.parameters())[-1]
+    scales = []
+    for step in range(4):
+        overflow = step == 2 and rank == 0
+        handle = last_bias.register_hook(lambda g: g * float("inf")) if overflow else None
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        loss = engine(torch.randn(8, 4, generator=gen)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        if handle is not None:
+            handle.remove()
+        scales.append(engine.optimizer.torch_autocast_gradscaler.get_scale())
+    return scales

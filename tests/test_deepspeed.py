@@ -59,6 +59,24 @@ def test_zero_2_consecutive_hysteresis_and_zero_3_on_two_ranks() -> None:
     assert results[1]["zero3_h3"]["ampscaler"].stepped == expected
 
 
+def test_the_torch_autocast_route_disagrees_across_ranks_unless_agreed() -> None:
+    """ZeRO-1 with "torch_autocast" fp16 and "compute_grad_norm": false steps each rank's
+    partition through its own torch.amp.GradScaler: an overflow in one partition backs off one
+    rank's scale only, with torch's scaler and with ampscaler's under patch_torch() alike;
+    agree_across_ranks makes every rank skip and back off. With the gradient norm computed
+    (DeepSpeed's default), ZeRO skips the step on every rank before the scaler sees it, and no
+    scale backs off."""
+    names = ["autocast_torch", "autocast_patched", "autocast_agreed", "autocast_torch_norm"]
+    results = multirank.spawn(2, [*names, "autocast_patched_norm"])
+    for name in ("autocast_torch", "autocast_patched"):
+        assert results[0][name] == [2.0**16] * 4
+        assert results[1][name] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]  # rank 1 alone
+    assert results[0]["autocast_agreed"] == results[1]["autocast_agreed"]
+    assert results[0]["autocast_agreed"] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+    for name in ("autocast_torch_norm", "autocast_patched_norm"):
+        assert results[0][name] == results[1][name] == [2.0**16] * 4
+
+
 def test_at_the_minimum_on_every_rank() -> None:
     results = multirank.spawn(2, ["zero_minimum"])
     for rank in range(2):

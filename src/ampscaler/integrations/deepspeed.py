@@ -67,6 +67,7 @@ __all__ = [
     "DeepSpeedPolicy",
     "DeepSpeedScaler",
     "DeepSpeedState",
+    "agree_across_ranks",
     "patch_deepspeed",
     "unpatch_deepspeed",
 ]
@@ -411,6 +412,46 @@ def patch_deepspeed(
     """
     settings = EngineSettings(policy, max_scale, max_consecutive_skips, configure).checked()
     return EnginePatch(_swap, settings)
+
+
+def agree_across_ranks(optimizer: Any) -> GradScaler:
+    """DeepSpeed's ``"torch_autocast"`` route (fp16): give ZeRO's optimizer an ampscaler
+    :class:`~ampscaler.GradScaler` that agrees on overflow over ZeRO's data-parallel group (and
+    its model-parallel group, if any), in place of the ``torch.amp.GradScaler`` it built.
+
+    On that route ZeRO-1 and 2 build ``torch.amp.GradScaler`` (ampscaler's under
+    :func:`~ampscaler.patch_torch`) and step each rank's partition of the parameters through
+    it; nothing agrees on its flag, so with ``"compute_grad_norm": false`` an overflow in one
+    rank's partition skips the step there and backs the scale off there only (verified on 2
+    ranks, tests/test_deepspeed.py). Call this after ``deepspeed.initialize``; the scale, rule
+    and counters of the scaler it replaces carry over (its sinks do not: add them to the one
+    returned). One all_reduce per step and group, as ZeRO makes for its own flag.
+
+    Args:
+        optimizer: ``engine.optimizer``, a ZeRO optimizer built with ``"torch_autocast"``.
+
+    Returns:
+        The scaler now in use.
+
+    Raises:
+        ValueError: ``optimizer`` has no ``torch_autocast`` scaler (fp16 scaling through the
+            ``"fp16"`` section agrees already; bf16 needs no scaler).
+    """
+    built = getattr(optimizer, "torch_autocast_gradscaler", None)
+    if built is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} has no torch_autocast scaler: only a ZeRO optimizer "
+            'built with "torch_autocast": {"enabled": true, "dtype": "float16"} has one.'
+        )
+    groups = [optimizer.dp_process_group]
+    if getattr(optimizer, "model_parallel_group", None) is not None:
+        groups.append(optimizer.model_parallel_group)
+    device = optimizer.optimizer.param_groups[0]["params"][0].device.type
+    policy = built.policy if isinstance(built, GradScaler) else None
+    scaler = GradScaler(device, policy=policy, process_group=groups)
+    scaler.load_state_dict(built.state_dict())
+    optimizer.torch_autocast_gradscaler = scaler
+    return scaler
 
 
 def unpatch_deepspeed() -> None:
