@@ -22,7 +22,9 @@ from megatron.core.distributed import DistributedDataParallelConfig
 import multirank
 from ampscaler import PersistentOverflowError
 from ampscaler.integrations.megatron import patch_megatron, use_ampscaler
+from engine_observed import observed, seen
 from engine_shims import cuda_is_identity, cuda_type_names, megatron_on_cpu
+from user_policy import HalveOrDouble
 
 STEPS = 24
 RESUME_AT = 14
@@ -39,6 +41,7 @@ class Run:
     scales: list[float] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
     keys: dict[str, Any] = field(default_factory=dict)
+    observed: dict[str, Any] = field(default_factory=dict)  # ampscaler's, at the end
 
 
 def _model(rank: int) -> torch.nn.Module:
@@ -49,12 +52,18 @@ def _model(rank: int) -> torch.nn.Module:
     return model
 
 
-def _optimizer(model: torch.nn.Module, hysteresis: int, ampscaler: bool, **settings: Any) -> Any:
+def _optimizer(
+    model: torch.nn.Module,
+    hysteresis: int,
+    ampscaler: bool,
+    initial: float = 2.0**10,
+    **settings: Any,
+) -> Any:
     config = megatron_optimizer.OptimizerConfig(
         optimizer="adam",
         lr=0.01,
         fp16=True,
-        initial_loss_scale=2.0**10,
+        initial_loss_scale=initial,
         min_loss_scale=2.0**5,
         loss_scale_window=3,
         hysteresis=hysteresis,
@@ -79,19 +88,25 @@ def _step(model: torch.nn.Module, optimizer: Any, rank: int, world: int, step: i
 
 
 def train(
-    rank: int, world: int, hysteresis: int, ampscaler: bool, resumed_by: bool | None = None
+    rank: int,
+    world: int,
+    hysteresis: int,
+    ampscaler: bool,
+    resumed_by: bool | None = None,
+    initial: float = 2.0**10,
+    **settings: Any,
 ) -> Run:
-    """``STEPS`` steps with Megatron's scaler or ampscaler's; with ``resumed_by``, the run stops
-    at ``RESUME_AT`` and a fresh model and optimizer (ampscaler's scaler if ``resumed_by``)
-    load its checkpoint and train on."""
+    """``STEPS`` steps with Megatron's scaler or ampscaler's (patched with ``settings``); with
+    ``resumed_by``, the run stops at ``RESUME_AT`` and a fresh model and optimizer (ampscaler's
+    scaler if ``resumed_by``) load its checkpoint and train on."""
     model = _model(rank)
-    optimizer = _optimizer(model, hysteresis, ampscaler)
+    optimizer = _optimizer(model, hysteresis, ampscaler, initial, **settings)
     run = Run()
     for step in range(STEPS):
         if step == RESUME_AT and resumed_by is not None:
             saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
             model = _model(rank)
-            optimizer = _optimizer(model, hysteresis, resumed_by)
+            optimizer = _optimizer(model, hysteresis, resumed_by, initial, **settings)
             model.load_state_dict(saved[0])
             with cuda_is_identity():  # Megatron's own scaler moves the loaded scale to CUDA
                 optimizer.load_state_dict(saved[1])
@@ -99,6 +114,8 @@ def train(
         run.scales.append(float(optimizer.get_loss_scale().item()))
     run.params = [p.detach().clone() for p in model.parameters()]
     run.keys = optimizer.state_dict()["grad_scaler"]
+    if resumed_by if resumed_by is not None else ampscaler:
+        run.observed = seen(optimizer.chained_optimizers[0].grad_scaler.scaler)
     return run
 
 
@@ -157,6 +174,17 @@ def handed_over(rank: int, world: int) -> dict[str, Any]:
     return runs
 
 
+def extras(rank: int, world: int) -> dict[str, Any]:
+    """What ampscaler adds, inside Megatron: a user's own policy (resumed from a checkpoint
+    midway), a bound on the scale, step records, metrics, the collapse watch."""
+    return {
+        "user_policy": train(rank, world, 2, True, True, **observed(HalveOrDouble(interval=2))),
+        "megatron": train(rank, world, 2, False),
+        "bounded": train(rank, world, 2, True, initial=2.0**5, max_scale=2.0**5),
+        "unbounded": train(rank, world, 2, False, initial=2.0**5),
+    }
+
+
 def _scenario(body: Any) -> Any:
     def run(rank: int, world: int) -> Any:
         megatron_on_cpu()
@@ -176,5 +204,6 @@ multirank.SCENARIOS.update(
         "megatron_h3": _scenario(lambda r, w: twins(r, w, 3)),
         "megatron_minimum": _scenario(stuck_at_minimum),
         "megatron_handed_over": _scenario(handed_over),
+        "megatron_extras": _scenario(extras),
     }
 )

@@ -19,7 +19,8 @@ pytest.importorskip(
 import ampscaler
 import multirank
 from ampscaler.integrations import megatron
-from megatron_ranks import OVERFLOWS, Run  # imports Megatron-core; registers the scenarios
+from engine_observed import user_policy_scales
+from megatron_ranks import OVERFLOWS, RESUME_AT, Run  # imports Megatron-core; registers scenarios
 
 
 def _same(run: Run, reference: Run) -> None:
@@ -114,3 +115,23 @@ def test_the_scaler_interface_and_a_megatron_checkpoint() -> None:
     with pytest.raises(KeyError):
         adapter.load_state_dict({"scale": torch.tensor([2.0])})
     assert adapter.scale.item() == 128.0  # a rejected checkpoint changes nothing
+
+
+def test_what_ampscaler_adds_inside_megatron() -> None:
+    results = multirank.spawn(2, ["megatron_extras"])
+    for rank in range(2):
+        extras = results[rank]["megatron_extras"]
+        user, reference = extras["user_policy"], extras["megatron"]
+        assert user.stepped == reference.stepped  # the same overflows were skipped
+        skipped = [not stepped for stepped in user.stepped]
+        assert user.scales == user_policy_scales(skipped, 2.0**10, interval=2)
+        observed = user.observed  # the scaler built after the resume at RESUME_AT
+        assert [skip for skip, _ in observed["history"]] == skipped[RESUME_AT:]
+        assert [scale for _, scale in observed["history"]] == user.scales[RESUME_AT:]
+        stats = observed["stats"]  # the counters came through the checkpoint
+        assert (stats.steps, stats.skipped) == (len(skipped), sum(skipped))
+        assert observed["metrics"]["scaler/scale"] == user.scales[-1]
+        # steps 0-9 skipped 6 of 10 (and the resumed scaler saw a window skip half of it)
+        assert observed["alerts"] and set(observed["alerts"]) == {("skip_rate",)}
+        bounded, unbounded = extras["bounded"], extras["unbounded"]
+        assert max(unbounded.scales) > 2.0**5 == max(bounded.scales)  # min_loss_scale too
