@@ -21,7 +21,9 @@ from deepspeed.utils import safe_get_full_fp32_param
 import multirank
 from ampscaler import patch_torch
 from ampscaler.integrations.deepspeed import agree_across_ranks, patch_deepspeed
+from engine_observed import observed, seen
 from engine_shims import deepspeed_on_cpu
+from user_policy import HalveOrDouble
 
 STEPS = 20
 RESUME_AT = 11
@@ -38,6 +40,7 @@ class Run:
     scales: list[float] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
     scaler: str = ""
+    observed: dict[str, Any] = field(default_factory=dict)  # ampscaler's, at the end
 
 
 def config(stage: int, hysteresis: int, consecutive: bool, min_power: int = 0) -> dict[str, Any]:
@@ -84,25 +87,29 @@ def train(
     settings: dict[str, Any],
     ampscaler: bool,
     resumed_by: bool | None = None,
+    overflows: dict[int, int] = OVERFLOWS,
+    **patch: Any,
 ) -> Run:
     """``STEPS`` steps with DeepSpeed's scaler or ampscaler's; with ``resumed_by``, the run
     saves a checkpoint at ``RESUME_AT`` and a fresh engine (with ampscaler's scaler if
     ``resumed_by``) loads it and trains on."""
-    with _patched(ampscaler):
+    with _patched(ampscaler, **patch):
         engine = _engine(settings)
     run = Run()
     for step in range(STEPS):
         if step == RESUME_AT and resumed_by is not None:
             folder = os.path.join(multirank.shared_dir(), f"ds{settings['zero_optimization']}")
             engine.save_checkpoint(folder, tag="resume")
-            with _patched(resumed_by):
+            with _patched(resumed_by, **patch):
                 engine = _engine(settings)
                 engine.load_checkpoint(folder, tag="resume")
-        overflow = step in OVERFLOWS and OVERFLOWS[step] % world == rank
+        overflow = step in overflows and overflows[step] % world == rank
         run.stepped.append(_step(engine, rank, world, step, overflow))
         run.scales.append(float(engine.optimizer.loss_scale))
     run.params = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
     run.scaler = type(engine.optimizer.loss_scaler).__name__
+    if resumed_by if resumed_by is not None else ampscaler:
+        run.observed = seen(engine.optimizer.loss_scaler.scaler)
     return run
 
 
@@ -114,6 +121,20 @@ def twins(rank: int, world: int, stage: int, hysteresis: int, consecutive: bool)
         "ampscaler": train(rank, world, settings, ampscaler=True),
         "deepspeed_to_ampscaler": train(rank, world, settings, False, resumed_by=True),
         "ampscaler_to_deepspeed": train(rank, world, settings, True, resumed_by=False),
+    }
+
+
+def extras(rank: int, world: int) -> dict[str, Run]:
+    """What ampscaler adds, inside ZeRO-2: a user's own policy (resumed from a checkpoint
+    midway), a bound on the scale, step records, metrics, the collapse watch."""
+    settings = config(2, 2, False)
+    low = config(2, 2, False)
+    low["fp16"]["initial_scale_power"] = 3
+    return {
+        "deepspeed": train(rank, world, settings, False),
+        "user_policy": train(rank, world, settings, True, True, **observed(HalveOrDouble(2))),
+        "bounded": train(rank, world, low, True, overflows={}, max_scale=8.0),
+        "unbounded": train(rank, world, low, False, overflows={}),
     }
 
 
@@ -165,6 +186,7 @@ multirank.SCENARIOS.update(
         "zero2_h2_consecutive": _scenario(2, 2, consecutive=True),
         "zero3_h3": _scenario(3, 3),
         "zero_minimum": _on_cpu(stuck_at_minimum),
+        "zero_extras": _on_cpu(extras),
         "autocast_torch": _on_cpu(lambda r, w: autocast_route(r, w, False, norm=False)),
         "autocast_patched": _on_cpu(lambda r, w: autocast_route(r, w, True, norm=False)),
         "autocast_agreed": _on_cpu(lambda r, w: autocast_route(r, w, True, False, agree=True)),

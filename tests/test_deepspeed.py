@@ -20,7 +20,8 @@ pytest.importorskip(
 import ampscaler
 import multirank
 from ampscaler.integrations import deepspeed as ds_integration
-from deepspeed_ranks import OVERFLOWS, STEPS, Run  # imports DeepSpeed; registers the scenarios
+from deepspeed_ranks import OVERFLOWS, STEPS, Run  # imports DeepSpeed; registers
+from engine_observed import user_policy_scales
 
 
 def _same(run: Run, reference: Run) -> None:
@@ -163,3 +164,24 @@ def test_settings_are_checked_and_the_patch_nests() -> None:
     inner.update_scale(False)
     inner.update_scale(False)
     assert inner.cur_scale == 2.0**11  # grew to the bound, one step later than torch's rule
+
+
+def test_what_ampscaler_adds_inside_deepspeed() -> None:
+    results = multirank.spawn(2, ["zero_extras"])
+    for rank in range(2):
+        extras = results[rank]["zero_extras"]
+        user, reference = extras["user_policy"], extras["deepspeed"]
+        assert user.stepped == reference.stepped  # the same overflows were skipped
+        skipped = [not stepped for stepped in user.stepped]
+        assert user.scales == user_policy_scales(skipped, 2.0**10, interval=2)
+        # the scaler pickled into DeepSpeed's checkpoint, with its records (a StepHistory is
+        # copied with its scaler)
+        observed = user.observed
+        assert [skip for skip, _ in observed["history"]] == skipped
+        assert [scale for _, scale in observed["history"]] == user.scales
+        stats = observed["stats"]  # the counters came through the checkpoint
+        assert (stats.steps, stats.skipped) == (len(skipped), sum(skipped))
+        assert observed["metrics"]["scaler/scale"] == user.scales[-1]
+        assert observed["alerts"] and set(observed["alerts"]) == {("skip_rate",)}
+        bounded, unbounded = extras["bounded"], extras["unbounded"]
+        assert max(unbounded.scales) > 8.0 == max(bounded.scales)
