@@ -135,3 +135,28 @@ def test_what_ampscaler_adds_inside_megatron() -> None:
         assert observed["alerts"] and set(observed["alerts"]) == {("skip_rate",)}
         bounded, unbounded = extras["bounded"], extras["unbounded"]
         assert max(unbounded.scales) > 2.0**5 == max(bounded.scales)  # min_loss_scale too
+
+
+def test_a_chained_optimizer_shares_one_scale_that_moves_once_per_step() -> None:
+    """use_ampscaler on a ChainedOptimizer of two optimizers: both unscale by the scale the
+    loss was scaled by, which moves after the second one's verdict, by whether either
+    overflowed (Megatron's own scalers would each move by their own)."""
+
+    class Member:
+        def __init__(self) -> None:
+            self.grad_scaler = megatron.MegatronScaler(
+                ampscaler.GradScaler("cpu", init_scale=2.0**10), torch.device("cpu")
+            )
+
+    class Chained:
+        def __init__(self) -> None:
+            self.chained_optimizers = [Member(), Member()]
+
+    chained = Chained()
+    scaler = megatron.use_ampscaler(chained)
+    first, second = (member.grad_scaler for member in chained.chained_optimizers)
+    assert first is second and first.scaler is scaler
+    first.update(True)
+    assert first.scale.item() == 2.0**10  # the second optimizer has not unscaled yet
+    second.update(False)
+    assert first.scale.item() == 2.0**9 and scaler.stats.steps == 1

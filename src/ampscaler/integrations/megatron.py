@@ -276,17 +276,18 @@ def use_ampscaler(optimizer: Any, scaler: GradScaler | None = None) -> GradScale
             "only): there is nothing to hand ampscaler's scaler to."
         )
     first = holders[0].grad_scaler
-    if scaler is None:
-        scaler = _scaler_like(first)
-    device = first.scale.device
-    adapter = MegatronScaler(scaler, device, shared_by=len(holders))
+    adapter = MegatronScaler(
+        scaler or _scaler_like(first), first.scale.device, shared_by=len(holders)
+    )
+    if scaler is None and hasattr(first, "growth_interval"):  # Megatron's DynamicGradScaler
+        adapter.load_state_dict(first.state_dict())  # its scale and trackers
     for member in holders:
         member.grad_scaler = adapter
-    return scaler
+    return adapter.scaler
 
 
 def _scaler_like(megatron: Any) -> GradScaler:
-    """An ampscaler scaler with the rule, scale and trackers of Megatron's ``megatron``."""
+    """An ampscaler scaler with the rule and scale of Megatron's scaler ``megatron``."""
     if isinstance(megatron, MegatronScaler):
         return megatron.scaler
     initial = float(megatron.scale.reshape(()).item())
@@ -301,6 +302,4 @@ def _scaler_like(megatron: Any) -> GradScaler:
         megatron.hysteresis,
         None,
     )
-    scaler = GradScaler(device.type, init_scale=initial, policy=rule)
-    MegatronScaler(scaler, device).load_state_dict(megatron.state_dict())
-    return scaler
+    return GradScaler(device.type, init_scale=initial, policy=rule)
