@@ -160,3 +160,15 @@ def test_a_chained_optimizer_shares_one_scale_that_moves_once_per_step() -> None
     assert first.scale.item() == 2.0**10  # the second optimizer has not unscaled yet
     second.update(False)
     assert first.scale.item() == 2.0**9 and scaler.stats.steps == 1
+
+
+def test_a_constant_scale_is_ampscalers_static_policy_while_patched() -> None:
+    from megatron.core import optimizer as megatron_optimizer
+
+    with megatron.patch_megatron(max_consecutive_skips=2):
+        constant = megatron_optimizer.ConstantGradScaler(128.0)
+    assert isinstance(constant.scaler.policy, ampscaler.StaticPolicy)
+    constant.update(True)
+    assert constant.scale.item() == 128.0 and constant.scaler.stats.skipped == 1
+    with pytest.raises(ampscaler.PersistentOverflowError):
+        constant.update(True)  # Megatron's constant scaler would skip forever
