@@ -65,7 +65,7 @@ class EngineSettings:
         """
         if self.policy is not None:
             policy = require_policy(self.policy, "")
-            if policy.measuring:
+            if policy.new_meter(0, agreed=False) is not None:  # it measures gradients
                 raise InvalidConfigError(
                     f"policy={policy} sets the scale from measured gradients, which the engine "
                     "never shows the scaler (it checks them itself); use ScalePolicy, "
