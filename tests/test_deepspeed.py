@@ -49,10 +49,11 @@ def test_zero_1_and_2_on_one_rank() -> None:
         _check_twins(results[0][name])
 
 
-def test_zero_2_consecutive_hysteresis_and_zero_3_on_two_ranks() -> None:
-    results = multirank.spawn(2, ["zero2_h2_consecutive", "zero3_h3"])
+def test_zero_1_2_with_consecutive_hysteresis_and_3_on_two_ranks() -> None:
+    names = ["zero1_h1", "zero2_h2_consecutive", "zero3_h3"]
+    results = multirank.spawn(2, names)
     for rank in range(2):
-        for name in ("zero2_h2_consecutive", "zero3_h3"):
+        for name in names:
             _check_twins(results[rank][name])
     # an overflow on either rank skipped the step on both
     expected = [step not in OVERFLOWS for step in range(STEPS)]
