@@ -26,7 +26,6 @@ def observed(policy: ampscaler.Policy) -> dict[str, Any]:
 def seen(scaler: GradScaler) -> dict[str, Any]:
     """What a test asserts on of ``scaler`` at the end of a run (picklable)."""
     return {
-        "stats": scaler.stats,
         "metrics": scaler.metrics(),
         "history": [(record.skipped, record.new_scale) for record in scaler.history],
         "alerts": [alert.reasons for alert in ALERTS],

@@ -126,23 +126,31 @@ def test_policy_matches_deepspeeds_update_scale_for_random_overflows() -> None:
 
 @pytest.mark.usefixtures("rank_zero")
 def test_a_deepspeed_scaler_pickled_midway_resumes_as_the_same_rule() -> None:
+    """DeepSpeed's own scaler pickled after every prefix of a run (long clean stretches
+    included: counters past a whole window) unpickles, while patched, into ampscaler's, which
+    goes on exactly as DeepSpeed's does."""
     from deepspeed.runtime.fp16 import loss_scaler
 
-    theirs = loss_scaler.DynamicLossScaler(2.0**10, 3, 1.0, 2, False)
-    sequence = [False, True, False, False, False, False, True, True, False, False]
-    for overflow in sequence:
-        theirs.update_scale(overflow)
-    saved = pickle.dumps(theirs)
-    with ds_integration.patch_deepspeed():
-        mine = pickle.loads(saved)
-    assert isinstance(mine, ds_integration.DeepSpeedScaler)
+    generator = torch.Generator().manual_seed(1)
+    clean_runs = torch.randint(0, 9, (12,), generator=generator).tolist()
+    sequence = [step for run in clean_runs for step in [False] * run + [True]] + [False] * 9
+    for consecutive in (False, True):
+        for cut in range(0, len(sequence), 3):
+            theirs = loss_scaler.DynamicLossScaler(2.0**10, 3, 1.0, 2, consecutive, False)
+            for overflow in sequence[:cut]:
+                theirs.update_scale(overflow)
+            saved = pickle.dumps(theirs)
+            with ds_integration.patch_deepspeed():
+                mine = pickle.loads(saved)
+            assert isinstance(mine, ds_integration.DeepSpeedScaler)
+            assert not mine.raise_error_at_min_scale  # as saved
+            for overflow in sequence[cut:]:
+                theirs.update_scale(overflow)
+                mine.update_scale(overflow)
+                assert mine.cur_scale == theirs.cur_scale
     assert loss_scaler.DynamicLossScaler is not ds_integration.DeepSpeedScaler  # undone
-    for overflow in [False] * 7 + [True, False, False, False, False]:
-        theirs.update_scale(overflow)
-        mine.update_scale(overflow)
-        assert mine.cur_scale == theirs.cur_scale
     again = pickle.loads(pickle.dumps(mine))  # ampscaler's pickles as ampscaler's
-    assert again.cur_scale == mine.cur_scale and again.scaler.stats == mine.scaler.stats
+    assert again.cur_scale == mine.cur_scale and again.scaler.metrics() == mine.scaler.metrics()
 
 
 def test_settings_are_checked_and_the_patch_nests() -> None:
@@ -180,8 +188,8 @@ def test_what_ampscaler_adds_inside_deepspeed() -> None:
         observed = user.observed
         assert [skip for skip, _ in observed["history"]] == skipped
         assert [scale for _, scale in observed["history"]] == user.scales
-        stats = observed["stats"]  # the counters came through the checkpoint
-        assert (stats.steps, stats.skipped) == (len(skipped), sum(skipped))
+        metrics = observed["metrics"]  # the counters came through the checkpoint
+        assert (metrics["scaler/steps"], metrics["scaler/skips"]) == (len(skipped), sum(skipped))
         assert observed["metrics"]["scaler/scale"] == user.scales[-1]
         assert observed["alerts"] and set(observed["alerts"]) == {("skip_rate",)}
         bounded, unbounded = extras["bounded"], extras["unbounded"]

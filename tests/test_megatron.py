@@ -128,8 +128,8 @@ def test_what_ampscaler_adds_inside_megatron() -> None:
         observed = user.observed  # the scaler built after the resume at RESUME_AT
         assert [skip for skip, _ in observed["history"]] == skipped[RESUME_AT:]
         assert [scale for _, scale in observed["history"]] == user.scales[RESUME_AT:]
-        stats = observed["stats"]  # the counters came through the checkpoint
-        assert (stats.steps, stats.skipped) == (len(skipped), sum(skipped))
+        metrics = observed["metrics"]  # the counters came through the checkpoint
+        assert (metrics["scaler/steps"], metrics["scaler/skips"]) == (len(skipped), sum(skipped))
         assert observed["metrics"]["scaler/scale"] == user.scales[-1]
         # steps 0-9 skipped 6 of 10 (and the resumed scaler saw a window skip half of it)
         assert observed["alerts"] and set(observed["alerts"]) == {("skip_rate",)}
@@ -159,7 +159,7 @@ def test_a_chained_optimizer_shares_one_scale_that_moves_once_per_step() -> None
     first.update(True)
     assert first.scale.item() == 2.0**10  # the second optimizer has not unscaled yet
     second.update(False)
-    assert first.scale.item() == 2.0**9 and scaler.stats.steps == 1
+    assert first.scale.item() == 2.0**9 and scaler.metrics()["scaler/steps"] == 1
 
 
 def test_a_constant_scale_is_ampscalers_static_policy_while_patched() -> None:
@@ -169,6 +169,6 @@ def test_a_constant_scale_is_ampscalers_static_policy_while_patched() -> None:
         constant = megatron_optimizer.ConstantGradScaler(128.0)
     assert isinstance(constant.scaler.policy, ampscaler.StaticPolicy)
     constant.update(True)
-    assert constant.scale.item() == 128.0 and constant.scaler.stats.skipped == 1
+    assert constant.scale.item() == 128.0 and constant.scaler.metrics()["scaler/skips"] == 1
     with pytest.raises(ampscaler.PersistentOverflowError):
         constant.update(True)  # Megatron's constant scaler would skip forever

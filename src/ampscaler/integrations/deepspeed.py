@@ -235,7 +235,7 @@ class DeepSpeedScaler:
     by a Python float, so the device never waits for it.
 
     Attributes:
-        scaler: the :class:`~ampscaler.GradScaler` (``stats``, ``metrics()``, sinks, ...).
+        scaler: the :class:`~ampscaler.GradScaler` (``metrics()``, sinks, ...).
         dynamic: ``True``, as DeepSpeed's.
         raise_error_at_min_scale: raise when an overflow would back off below
             ``min_scale`` (DeepSpeed's default; off when ``max_consecutive_skips`` is set).

@@ -140,7 +140,7 @@ class EngineScaler:
         >>> engine = EngineScaler(scaler, torch.device("cpu"), "megatron")
         >>> engine.record(True); engine.scaler.get_scale()
         512.0
-        >>> engine.record(False); engine.scaler.stats.skipped
+        >>> engine.record(False); engine.scaler.metrics()["scaler/skips"]
         1
     """
 

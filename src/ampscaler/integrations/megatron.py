@@ -17,7 +17,7 @@ returns ``(False, None, None)``.
 :class:`~ampscaler.GradScaler` configured from the same numbers
 (``ScalePolicy(growth_interval=loss_scale_window, hysteresis=hysteresis,
 min_scale=min_loss_scale)``, or ``StaticPolicy()`` for a constant scale). Configured alike, it
-moves the scale as Megatron's does, bit for bit; on top, it counts (``scaler.stats``,
+moves the scale as Megatron's does, bit for bit; on top, it counts (``scaler.metrics()``,
 ``scaler.metrics()``), sends step records to sinks, watches for a collapse, and with
 ``max_consecutive_skips`` stops a run that skips at the minimum scale with
 :class:`~ampscaler.PersistentOverflowError` on every rank (Megatron skips there silently).
@@ -74,7 +74,7 @@ class MegatronScaler:
             was scaled by.
 
     Attributes:
-        scaler: the :class:`~ampscaler.GradScaler`: ``stats``, ``metrics()``, ``add_sink()``,
+        scaler: the :class:`~ampscaler.GradScaler`: ``metrics()``, ``add_sink()``,
             ``on("collapse", ...)``, ``get_scale()``.
 
     Example:
