@@ -172,3 +172,5 @@ def test_a_constant_scale_is_ampscalers_static_policy_while_patched() -> None:
     assert constant.scale.item() == 128.0 and constant.scaler.metrics()["scaler/skips"] == 1
     with pytest.raises(ampscaler.PersistentOverflowError):
         constant.update(True)  # Megatron's constant scaler would skip forever
+    constant.load_state_dict({})  # what Megatron's ConstantGradScaler saves
+    assert constant.scale.item() == 128.0

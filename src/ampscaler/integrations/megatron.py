@@ -139,10 +139,14 @@ class MegatronScaler:
         trackers come from the checkpoint (Megatron's hysteresis tracker, which goes below 0,
         as the budget left: 0 there). Validated all or nothing.
 
+        An empty dict, what Megatron's ``ConstantGradScaler`` saves, leaves the scaler as it is.
+
         Raises:
             KeyError / ValueError: a checkpoint that is neither
                 (:class:`~ampscaler.InvalidStateDictError` is both).
         """
+        if not state_dict:
+            return
         if "ampscaler" in state_dict:
             self.scaler.load_state_dict(state_dict["ampscaler"])
             return
