@@ -108,7 +108,7 @@ def train(
         run.scales.append(float(engine.optimizer.loss_scale))
     run.params = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
     run.scaler = type(engine.optimizer.loss_scaler).__name__
-    if resumed_by if resumed_by is not None else ampscaler:
+    if "configure" in patch:  # observed (engine_observed.observed)
         run.observed = seen(engine.optimizer.loss_scaler.scaler)
     return run
 

@@ -10,10 +10,12 @@ from ampscaler import CollapseAlert, CollapseWatch, GradScaler, StepHistory
 
 #: The collapse alerts of the scalers configured by :func:`observed`, in this process.
 ALERTS: list[CollapseAlert] = []
+#: The step histories given to them, the latest last.
+HISTORIES: list[StepHistory] = []
 
 
 def _observe(scaler: GradScaler) -> None:
-    scaler.add_sink(StepHistory(100))
+    HISTORIES.append(scaler.add_sink(StepHistory(100)))
     scaler.attach(CollapseWatch(skip_rate=0.5, window=10))
     scaler.on("collapse", ALERTS.append)
 
@@ -24,10 +26,11 @@ def observed(policy: ampscaler.Policy) -> dict[str, Any]:
 
 
 def seen(scaler: GradScaler) -> dict[str, Any]:
-    """What a test asserts on of ``scaler`` at the end of a run (picklable)."""
+    """What a test asserts on of ``scaler``, the latest one configured, at the end of a run
+    (picklable)."""
     return {
         "metrics": scaler.metrics(),
-        "history": [(record.skipped, record.new_scale) for record in scaler.history],
+        "history": [(record.skipped, record.new_scale) for record in HISTORIES[-1].records],
         "alerts": [alert.reasons for alert in ALERTS],
     }
 

@@ -114,7 +114,7 @@ def train(
         run.scales.append(float(optimizer.get_loss_scale().item()))
     run.params = [p.detach().clone() for p in model.parameters()]
     run.keys = optimizer.state_dict()["grad_scaler"]
-    if resumed_by if resumed_by is not None else ampscaler:
+    if "configure" in settings:  # observed (engine_observed.observed)
         run.observed = seen(optimizer.chained_optimizers[0].grad_scaler.scaler)
     return run
 

@@ -343,13 +343,17 @@ class DeepSpeedScaler:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore a pickled :class:`DeepSpeedScaler`, or DeepSpeed's own
-        ``DynamicLossScaler`` unpickled while patched (its name resolves to this class then):
-        its rule, scale, counters and hysteresis, with the patch's settings."""
+        """Restore a pickled :class:`DeepSpeedScaler` (while patched, the patch's
+        ``configure`` is called with it: sinks and callbacks do not travel in a pickle), or
+        DeepSpeed's own ``DynamicLossScaler`` unpickled while patched (its name resolves to
+        this class then): its rule, scale, counters and hysteresis, with the patch's settings."""
         if "scaler" in state:
             self.raise_error_at_min_scale = state["raise_error_at_min_scale"]
             self.dtype = state["dtype"]
             self._start(state["scaler"])
+            settings = _swap.settings
+            if settings is not None and settings.configure is not None:
+                settings.configure(self.scaler)  # sinks and callbacks do not travel in a pickle
             return
         self.__init__(  # type: ignore[misc]
             state["cur_scale"],
