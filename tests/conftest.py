@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,11 @@ from hypothesis import settings
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("repeatable")
+
+# DeepSpeed (installed for tests/test_deepspeed.py) warns on stdout when it looks for an
+# accelerator and finds none; transformers imports it, and doctests would see the line. Named, it
+# is found without a word.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 if TYPE_CHECKING:
     from ampscaler.demo.run import DemoOutcome

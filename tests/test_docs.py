@@ -62,3 +62,17 @@ def test_the_tracer_snippet_runs_after_a_clean_iteration() -> None:
             code, {"model": model, "optimizer": optimizer, "torch": torch, "GradScaler": GradScaler}
         )
     assert printed.getvalue() == ""  # a clean iteration: no overflow, nothing to print
+
+
+def test_the_test_command_installs_the_engines_it_tests() -> None:
+    """CI runs the README's test command: it must install the engines, so that the engine tests
+    run there rather than skip, at the versions docs/integrations.md names."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = re.findall(r"```bash\n(python -m venv .*?)\n```", readme)
+    test_command = next(c for c in commands if c.endswith("python -m pytest -q"))
+    assert "bash scripts/install_engines.sh && python -m pytest -q" in test_command
+    script = (ROOT / "scripts" / "install_engines.sh").read_text(encoding="utf-8")
+    guide = (ROOT / "docs" / "integrations.md").read_text(encoding="utf-8")
+    for name in ("MEGATRON_CORE", "DEEPSPEED"):
+        version = re.search(rf"^{name}=(\S+)$", script, re.MULTILINE)
+        assert version is not None and version.group(1) in guide

@@ -14,6 +14,8 @@ OPTIONAL = (
     "transformers",
     "tensorboard",
     "matplotlib",
+    "megatron",
+    "deepspeed",
 )
 
 
@@ -32,6 +34,17 @@ def test_import_ampscaler_imports_no_optional_framework() -> None:
     code = (
         "import sys, ampscaler, ampscaler.integrations\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({OPTIONAL!r})))"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_engine_adapters_import_no_engine() -> None:
+    """The engines are imported when a patch is applied, not when its module is."""
+    code = (
+        "import sys, ampscaler.integrations.megatron, ampscaler.integrations.deepspeed\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'deepspeed'}))"
     )
     result = _python(code)
     assert result.returncode == 0, result.stderr

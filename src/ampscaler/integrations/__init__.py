@@ -10,6 +10,9 @@ optional:
 - :mod:`ampscaler.integrations.transformers` (``pip install ampscaler[transformers]``): installs
   one into a ``transformers.Trainer`` (through its accelerator), which also makes
   ``fp16=True`` train in fp16 on a CPU.
+- :mod:`ampscaler.integrations.megatron` and :mod:`ampscaler.integrations.deepspeed` (the
+  engines, installed by you): ``patch_megatron()`` / ``patch_deepspeed()`` make the engines that
+  keep a loss scaler of their own build ampscaler's, from their own configuration.
 - :mod:`ampscaler.integrations.patch` (no extra): ``patch_torch()``, which makes torch's own
   scaler names build ampscaler's scalers, for frameworks that build torch's themselves, and
   ``setup_hook`` for their worker processes (settings in ``AMPSCALER_PATCH``).
