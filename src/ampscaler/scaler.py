@@ -22,6 +22,7 @@ performance routes (``flat_grads``, ``one_pass_fused``).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -68,7 +69,8 @@ from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, Re
 from .observe.sinks import Sink
 from .policy import Meter, Policy, policy_from_arguments
 from .precision import Bfloat16Watch
-from .state import LiveState, ScalerState, ScalerStats
+from .replay import retry_scale
+from .state import HostState, LiveState, ScalerState, ScalerStats
 from .taps import WatchedModels
 
 if TYPE_CHECKING:
@@ -259,6 +261,9 @@ class GradScaler(TorchPrivateNames):
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
         self._attempt = 0  # the try at the batch in progress (attempts())
+        # Whether the last batch under attempts() stepped at a scale the policy set (its first
+        # or second try): the scale its next batch starts from has carried a batch.
+        self._last_batch_clean = False
         self._guards = GuardSet()
         self._monitor = Monitor(enabled=self._enabled)
         self._watched = WatchedModels()  # for the policy's meter
@@ -799,7 +804,14 @@ class GradScaler(TorchPrivateNames):
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
             )
+        first_backoff: HostState | None = None  # the state the first try's overflow left
+        search = not self._last_batch_clean  # the run's scale is a guess: search below it
+        self._last_batch_clean = False
+        failed = 0.0  # the scale of the last try that overflowed
         for number in range(limit):
+            if first_backoff is not None and number >= 2 and search:
+                failed = retry_scale(failed, limit - number)
+                self._rewind(first_backoff, failed)
             started = self._iteration
             self._attempt = number
             try:
@@ -809,9 +821,33 @@ class GradScaler(TorchPrivateNames):
             if not self._enabled:
                 return
             self._require_one_update(started)
-            if number + 1 == limit or not self._overflowed(started):
-                return
+            last = number + 1 == limit
+            if first_backoff is None:  # the first try
+                if last:
+                    return  # max_attempts=1: nothing to decide
+                if not self._overflowed(started):
+                    self._last_batch_clean = True
+                    return
+                first_backoff = self._state.snapshot()
+                failed = first_backoff.scale
+            else:
+                overflowed = self._overflowed(started)
+                if number == 1 and not overflowed:
+                    self._last_batch_clean = True
+                    return  # one retry got it through: torch's scaler under a loop by hand
+                if last or not overflowed:
+                    self._rewind(first_backoff, first_backoff.scale)
+                    return
             self._state.count_replay()
+
+    def _rewind(self, to: HostState, scale: float) -> None:
+        """``attempts()``: put the policy's state back to ``to`` with the scale ``scale`` (the
+        counters go on); the meter follows the policy's schedule from there."""
+        policy = self._state.policy
+        self._state.load(dataclasses.replace(to, scale=scale, stats=self._state.stats()), policy)
+        if self._meter is not None:
+            self._meter.detach()
+            self._meter = self._new_meter(policy, to.own.get("iteration", 0))
 
     def _require_one_update(self, started: Iteration) -> None:
         """Check that the try ended the iteration it started with ``update()``, and no other:
