@@ -49,6 +49,7 @@ from .distributed import (
     warn_if_world_came_later,
 )
 from .errors import PersistentOverflowError, ScalerUsageError
+from .flushed import warn_flushed
 from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
@@ -264,6 +265,7 @@ class GradScaler(TorchPrivateNames):
         # Whether the last batch under attempts() stepped at a scale the policy set (its first
         # or second try): the scale its next batch starts from has carried a batch.
         self._last_batch_clean = False
+        self._warned_flushed = False  # metrics() said that every measured gradient flushed
         self._guards = GuardSet()
         self._monitor = Monitor(enabled=self._enabled)
         self._watched = WatchedModels()  # for the policy's meter
@@ -675,6 +677,10 @@ class GradScaler(TorchPrivateNames):
             self._iteration.require_checked()
         assert found_inf is not None
         measured = None if self._meter is None else self._measured(self._meter, live)
+        if measured is None and self._meter is not None and overflowed is not False:
+            # An iteration that may have overflowed reaches a measuring policy with "nothing
+            # measured" (< 0): the overflow itself is a measurement (HeadroomPolicy's bound).
+            measured = torch.full((), -1.0, dtype=torch.float32, device=live.device)
         iteration = self._iteration
         old_scale = self._state.advance(
             found_inf,
@@ -928,7 +934,11 @@ class GradScaler(TorchPrivateNames):
           vetoed finite gradients;
         - ``steps``, ``skips``, ``replays``, ``growths``, ``backoffs``, ``spike_skips``,
           ``consecutive_skips``: the running counts (:attr:`stats`; ``skips`` is
-          ``stats.skipped``).
+          ``stats.skipped``);
+        - ``flushed_measurements``, with a measuring policy (:class:`~ampscaler.HeadroomPolicy`):
+          measured iterations whose every measured gradient was zero in float16 at their scale.
+          The first time it reads a count above 0 it warns (a
+          :class:`~ampscaler.flushed.GradientsFlushedWarning`, once per scaler) with what to do.
 
         One host sync, whatever is asked: every value is read from the device in one copy
         (what ``get_scale()`` alone costs). Call it after :meth:`update`, every step if you
@@ -953,13 +963,18 @@ class GradScaler(TorchPrivateNames):
         """
         live = self._state.live if self._enabled else None
         finished = self._finished
+        flushed: int | None = None
         if live is None or finished is None:
             scale, stats, cause = self.get_scale(), self.stats, 0
         else:
-            read = read_values([live.scale, live.counters.values, finished.outcome_flags()])
+            counted = getattr(live.tensors, "flushed", None)  # a measuring policy's count
+            extra = [] if counted is None else [counted]
+            flags = finished.outcome_flags()
+            read = read_values([live.scale, live.counters.values, flags, *extra])
             scale, stats = read[0], ScalerStats(*read[1])
             found, spike, loss = read[2]
             cause = (2 if loss > 0 else 1) if found > 0 else (3 if spike > 0 else 0)
+            flushed = int(read[3]) if extra else None
         values: dict[str, float | int] = {
             "scale": float(scale),
             "skipped": int(cause > 0),
@@ -972,6 +987,11 @@ class GradScaler(TorchPrivateNames):
             "spike_skips": stats.spike_skips,
             "consecutive_skips": stats.consecutive_skips,
         }
+        if flushed is not None:
+            values["flushed_measurements"] = flushed
+            if flushed and not self._warned_flushed:
+                self._warned_flushed = True
+                warn_flushed(float(scale), flushed)
         return {prefix + name: value for name, value in values.items()}
 
     @property

@@ -39,6 +39,8 @@ from .base import (
 
 __all__ = ["HEADROOM_EXPONENTS", "HeadroomPolicy", "HeadroomState"]
 
+_INFINITY = torch.tensor(math.inf, dtype=torch.float64)
+
 #: range, where ``1/scale`` is exact.
 HEADROOM_EXPONENTS = (-126, 127)
 
@@ -58,6 +60,9 @@ class HeadroomState(NamedTuple):
         measured: int64, measurements stored so far (the next goes to slot
             ``measured % history_length``).
         iteration: int64, updates so far (what the measuring schedule counts).
+        overflowed_at: float32, the scale of the last overflow (0: none yet).
+        flushed: int64, measured iterations whose every measured gradient was zero at their
+            scale (flushed to zero in float16: the scale does not help them).
     """
 
     scale: torch.Tensor
@@ -66,6 +71,8 @@ class HeadroomState(NamedTuple):
     history: torch.Tensor
     measured: torch.Tensor
     iteration: torch.Tensor
+    overflowed_at: torch.Tensor
+    flushed: torch.Tensor
 
 
 #: The largest count a HeadroomPolicy setting takes (its counters are int64 tensors).
@@ -177,6 +184,7 @@ class HeadroomPolicy(Policy):
     """
 
     margin: float = 2.0**0.5
+    first_margin: float = 2.0
     history_length: int = 64
     sample_every: int = 32
     backoff_factor: float = 0.5
@@ -193,6 +201,12 @@ class HeadroomPolicy(Policy):
             raise InvalidConfigError(
                 f"margin must be a finite number >= 1 (the factor kept between the largest "
                 f"scaled gradient and 65504; 1 keeps none), got {self.margin!r}."
+            )
+        first_margin = require_number("first_margin", self.first_margin)
+        if not (first_margin >= 1.0 and math.isfinite(first_margin)):
+            raise InvalidConfigError(
+                f"first_margin must be a finite number >= 1 (the margin while the history is "
+                f"young, its first history_length iterations), got {self.first_margin!r}."
             )
         _require_count("history_length", self.history_length)
         _require_count("sample_every", self.sample_every)
@@ -265,6 +279,10 @@ class HeadroomPolicy(Policy):
             history=torch.tensor(history, dtype=torch.float64, device=device),
             measured=torch.full((), values.get("measured", 0), dtype=torch.int64, device=device),
             iteration=torch.full((), values.get("iteration", 0), dtype=torch.int64, device=device),
+            overflowed_at=torch.full(
+                (), values.get("overflowed_at", 0.0), dtype=torch.float32, device=device
+            ),
+            flushed=torch.full((), values.get("flushed", 0), dtype=torch.int64, device=device),
         )
 
     def own_values(self, saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -289,6 +307,16 @@ class HeadroomPolicy(Policy):
             values[name] = require_int(
                 f"headroom[{name!r}]", saved.get(name), 0, _COUNT_MAX, integral_floats=True
             )
+        # Checkpoints before 0.2 hold neither: no overflow seen, nothing flushed.
+        values["flushed"] = require_int(
+            "headroom['flushed']", saved.get("flushed", 0), 0, _COUNT_MAX, integral_floats=True
+        )
+        overflowed_at = saved.get("overflowed_at", 0.0)
+        values["overflowed_at"] = (
+            0.0
+            if overflowed_at == 0
+            else self.check_scale("headroom['overflowed_at']", overflowed_at)
+        )
         return values
 
     def lowest_after(self, scale: float, overflowed: bool | None) -> float:
@@ -371,6 +399,8 @@ class HeadroomPolicy(Policy):
                 "a template (torch.distributed.checkpoint), make the template with a scaler "
                 "constructed with policy=HeadroomPolicy(...), so that it has the section."
             )
+        if "first_margin" not in section:  # saved before 0.2: one margin throughout
+            section = {**section, "first_margin": section.get("margin")}
         policy = self.with_config(section)
         assert isinstance(policy, HeadroomPolicy)  # with_config makes one of its own kind
         return policy, policy.own_values(section)
@@ -423,24 +453,40 @@ class HeadroomPolicy(Policy):
     def _measure_(
         self, live: HeadroomState, flag: torch.Tensor, measured: torch.Tensor
     ) -> torch.Tensor:
-        """Take ``measured`` into the history, the target and the scale, in place; returns the
-        flag torch's rule moves the scale by (the overflow flag, raised for a measurement
-        beyond float16)."""
+        """Take ``measured`` (and an overflow's bound) into the history, the target and the
+        scale, in place; returns the flag torch's rule moves the scale by (the overflow flag,
+        raised for a measurement beyond float16)."""
         hot = ~(measured <= FP16_MAX)  # inf, NaN, or beyond float16
         flag = flag + hot
-        usable = (measured > 0.0) & (flag == 0)
+        over = flag > 0
+        usable = (measured > 0.0) & ~over
+        scale = live.scale.double()
+        # An overflow at a scale at or above the last one's: the largest gradient exceeded
+        # 65504 / scale (the next float64 up: the target must stay below this scale).
+        again = over & (live.overflowed_at > 0.0) & (live.scale >= live.overflowed_at)
+        bound = torch.nextafter(torch.full_like(scale, FP16_MAX) / scale, _INFINITY)
+        entry = torch.where(usable, measured.double() / scale, bound)
+        write = usable | again
         slot = torch.remainder(live.measured, self.history_length).reshape(1)
-        relative = measured.double() / live.scale.double()
-        live.history.index_put_((slot,), torch.where(usable, relative, live.history[slot]))
-        live.measured.add_(usable)
+        live.history.index_put_((slot,), torch.where(write, entry, live.history[slot]))
+        live.measured.add_(write)
+        live.overflowed_at.copy_(torch.where(over, live.scale, live.overflowed_at))
+        flushed = (measured == 0.0) & ~over  # measured, and every gradient was zero
+        live.flushed.add_(flushed)
         peak = live.history.max()
+        young = live.iteration < self.history_length
+        kept = torch.where(young, peak * self.first_margin, peak * self.margin)
         # One correctly rounded division (a Python number over a tensor would round twice).
-        room = torch.full_like(peak, FP16_MAX) / (peak * self.margin)
+        room = torch.full_like(peak, FP16_MAX) / kept
         _, exponent = torch.frexp(room)  # room = m * 2**exponent with 0.5 <= m < 1
         low, high = self.exponents
         allowed = torch.exp2((exponent - 1).clamp(low, high).double()).float()
-        target = torch.where(peak > 0.0, allowed, live.target)
-        live.scale.mul_(target / live.target)  # a ratio of powers of two: exact
+        # Nothing measured before, and every gradient zero now: the scale is too low to see
+        # anything; it doubles, as a reactive rule grows (once per measured iteration).
+        grown = torch.where(flushed, torch.clamp(live.target * 2.0, max=2.0**high), live.target)
+        target = torch.where(peak > 0.0, allowed, grown)
+        ratio = torch.where(over, 1.0, target / live.target)  # a ratio of powers of two: exact
+        live.scale.mul_(ratio)  # keep the distance below the target (an overflow backs off)
         live.target.copy_(target)
         return flag
 
