@@ -287,8 +287,11 @@ class Arm:
     attempts: bool = False
 
 
+HEADROOM: dict[str, float] = {}  # HeadroomPolicy's settings (--margin, --first-margin)
+
+
 def headroom_scaler(model: nn.Module) -> ampscaler.GradScaler:
-    scaler = ampscaler.GradScaler("cpu", policy=ampscaler.HeadroomPolicy())
+    scaler = ampscaler.GradScaler("cpu", policy=ampscaler.HeadroomPolicy(**HEADROOM))
     scaler.watch(model)
     return scaler
 
@@ -529,7 +532,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="30 batches per workload")
     parser.add_argument("--workloads", default=None, help="comma-separated names (default: all)")
     parser.add_argument("--json", default=None, help="write the numbers here")
+    parser.add_argument("--margin", type=float, default=None, help="HeadroomPolicy's margin")
+    parser.add_argument("--first-margin", type=float, default=None, help="and first_margin")
     args = parser.parse_args(argv)
+    HEADROOM.clear()
+    for name in ("margin", "first_margin"):
+        if getattr(args, name) is not None:
+            HEADROOM[name] = getattr(args, name)
     torch.set_num_threads(1)
     steps = 30 if args.quick else args.steps
     chosen = set(args.workloads.split(",")) if args.workloads else None

@@ -6,20 +6,24 @@ policy reacts as it does to any overflow (torch's rule: ``S / 2``) and the secon
 there, so a batch that one retry gets through (a growth probe that found the ceiling) is
 exactly torch's scaler under a replay loop written by hand. A batch that overflows again is
 not a probe: its gradients are larger than the run's (an outlier), or the run's scale is far
-above its ceiling (warm-up from 2**16). Halving once per try would spend every try on one
-binade each and, worse, leave the run's scale as many binades down as the batch took tries.
-So from the third try on the scale is *searched* for this batch alone:
+above its ceiling (a warm-up from 2**16). Halving once per try, as a loop by hand does, spends
+every try on one binade and leaves the run's scale as many binades down as the batch took
+tries. So:
 
-* the tries after the second bisect, in binades, the distance between the scale that last
-  overflowed and a floor of 1 (where float16 training without scaling runs), and the last try
-  runs at the floor itself, so a batch that fits float16 unscaled gets through whatever the
-  scale started at;
-* every search scale is the overflowed scale times a power of two (``2**-k``): unscaling
-  stays as exact as at the run's own scale;
 * once the batch is done, stepped or not, the policy's state is put back to what the first
   try's overflow left (one backoff below the batch's start, the state a skipped batch leaves
-  without ``attempts()``): the further backoffs, and the step at the search scale, are the
-  batch's.
+  without ``attempts()``): the further backoffs, and the step at a lower scale, are the
+  batch's;
+* when the batch before stepped at a scale the policy set (its first or second try), this
+  batch is larger than the run's batches: its later tries run where the policy's further
+  backoffs put them, and after ``max_attempts`` it is skipped, as torch's scaler skips it (an
+  RL batch with 1000x advantages is not pushed through at scale 1);
+* otherwise the run's scale is still a guess (the first batch under the loop, or after a
+  batch that needed more): the later tries *search*, bisecting in binades the distance
+  between the scale that last overflowed and a floor of 1 (where float16 training without
+  scaling runs), the last try at the floor itself, so a batch that fits float16 unscaled gets
+  through whatever the scale started at. Every search scale is the overflowed scale times a
+  power of two (``2**-k``): unscaling stays as exact as at the run's own scale.
 
 Example:
     >>> retry_scale(2.0**15, tries_left=1)      # the last try: the floor

@@ -768,14 +768,27 @@ class GradScaler(TorchPrivateNames):
         lower scale cannot help) and never for a guard's veto (:class:`~ampscaler.SpikeGuard`).
         After ``max_attempts`` tries the batch is skipped, as without the loop. Every try is a
         full iteration of the scaler (counted in ``stats.steps``; a skipped one in
-        ``stats.skipped``; a replayed one also in ``stats.replays``), so with the defaults a
-        run equals torch's scaler driven by the same loop written by hand, bit for bit.
+        ``stats.skipped``; a replayed one also in ``stats.replays``).
+
+        The backoffs a batch takes are the batch's (:mod:`ampscaler.replay`): the second try
+        runs where the policy's reaction to the overflow put the scale, so a batch that one
+        retry gets through (a growth probe) equals torch's scaler driven by the same loop
+        written by hand, bit for bit. A batch that overflows again leaves, once done (stepped
+        or skipped), the policy's state where its first overflow left it: one backoff below
+        its start, as a skipped batch without the loop. Its later tries run at the policy's
+        further backoffs when the batch before stepped at the run's scale (this batch is
+        larger than the run's: an outlier, skipped after ``max_attempts`` as torch skips it),
+        and otherwise, while the scale is still a guess (the first batch, and after a batch
+        that needed more), at scales that bisect in binades down to 1, the last try at 1
+        (:func:`~ampscaler.replay.retry_scale`): a warm-up from ``2**16`` to a ceiling of
+        ``2**7`` loses no batch at the default ``max_attempts``.
         Accumulation over micro-batches, several optimizers, fused optimizers and a compiled
         step inside the body all work; checkpoints go between batches.
 
         What it reads from the device: nothing after a try whose plain optimizers all stepped
         (their step already read the flag); one read (the iteration's flags) after a skipped
-        try, and after every try that steps a fused optimizer (whose kernel decided alone).
+        try, and after every try that steps a fused optimizer (whose kernel decided alone);
+        and, for a batch that overflows twice, the policy's state once (to return to it).
         With a ``process_group`` the decision comes from values agreed across the ranks, so
         every rank replays or none.
 

@@ -122,18 +122,42 @@ class HeadroomPolicy(Policy):
     ``sample_every``-th; the last ``history_length`` measurements are kept, and the largest
     of them sets the scale. The first iteration runs at ``first_scale`` (1 by default, where
     float16 training without scaling runs), so its measurement sets the scale before any step
-    could overflow: no run skips warm-up steps, whatever the scale would have started at.
+    could overflow. While the history is young (its first ``history_length`` iterations) the
+    margin is ``first_margin``: the first optimizer steps move the gradients most.
+
+    Three more things are measurements. An iteration whose every measured gradient was zero
+    (flushed in float16) before anything else was measured says the scale is too low to see
+    anything: the target doubles, as a reactive rule grows, once per such iteration (and the
+    iteration is counted in ``flushed``). An overflow at scale ``S`` says the largest gradient
+    exceeded ``65504 / S``; a single one may be a one-off (the scale recovers to the target,
+    as before), but an overflow at or above the scale of the last one enters the history as
+    that bound, so the target stays below ``S`` for as long as a measurement would hold it: heavy
+    tails stop pulling the scale back into them after every recovery. (The scaler hands an
+    iteration that may have overflowed to the policy with ``measured < 0``, "nothing seen",
+    when it was not measured, so that the bound is taken.)
 
     One call of :meth:`adjust`, with ``overflow = found_inf > 0`` and ``measured`` the largest
-    gradient magnitude of the iteration at its scale (``None``: not measured)::
+    gradient magnitude of the iteration at its scale (``None``: not measured; ``< 0``: nothing
+    seen)::
 
         trouble = overflow or (measured is inf, NaN or > 65504)
-        if measured and not trouble and measured > 0:
-            history[stored % history_length] = measured / scale;  stored += 1
-        if measured and max(history) > 0:
-            new = the largest 2**e <= 65504 / (max(history) * margin),
-                  within [min_scale, max_scale]
-            scale = scale * new / target;  target = new      # keep the distance below it
+        if measured is not None:
+            usable = measured > 0 and not trouble
+            again = trouble and 0 < overflowed_at <= scale   # it overflowed here before
+            if usable or again:
+                history[stored % history_length] = (measured / scale if usable
+                                                    else next_up(65504 / scale))
+                stored += 1
+            if trouble:  overflowed_at = scale
+            flushed = measured == 0 and not trouble;  flushes += flushed
+            m = first_margin if iteration < history_length else margin
+            if max(history) > 0:
+                new = the largest 2**e <= 65504 / (max(history) * m),
+                      within [min_scale, max_scale]
+            elif flushed:  new = min(2 * target, max_scale)   # nothing seen yet: grow
+            else:          new = target
+            if not trouble:  scale = scale * new / target       # keep the distance below it
+            target = new
         if trouble:  scale *= backoff_factor;  tracker = 0    # torch's rule ...
         else:        tracker += 1
                      if tracker == recovery_interval:  tracker = 0;  scale *= 2
@@ -143,7 +167,8 @@ class HeadroomPolicy(Policy):
     Products of powers of two are exact, so the scale stays a power of two: unscaling is exact
     and fused optimizers keep ampscaler's one-pass route. Written with ``torch.where`` and
     torch's fused update kernel, it runs on the device and never waits for it; an iteration
-    that was not measured costs four small device ops, a measured one about thirty.
+    that was not measured, and that the host knows did not overflow, costs four small device
+    ops; a measured one (or one that may have overflowed) about forty.
 
     Args:
         margin: the largest scaled gradient is kept at least this factor below 65504; >= 1.
@@ -151,6 +176,11 @@ class HeadroomPolicy(Policy):
             two another half on average) for gradients to grow between measurements and for
             values the measurement does not see (inside fused attention, say); ``2.0`` or more
             for gradients that jump more (docs/headroom.md has measurements).
+        first_margin: the margin while the history is young (its first ``history_length``
+            iterations, every one measured); >= 1. The default, 2, covers how much the largest
+            gradient grew from one iteration to the next in the first 40 optimizer steps of
+            the workloads of ``benchmarks/scaling.py``: up to 1.99x (Student-t advantages),
+            1.52x (a text LM), 1.39x (an MLP), 1.18x (GPT-2).
         history_length: measurements kept; the largest sets the scale; >= 1.
         sample_every: after the first ``history_length`` iterations, measure every this many;
             >= 1 (``1``: every iteration).
