@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ampscaler
+from ampscaler.hooks import MeterHook
 from ampscaler.replay import RETRY_FLOOR, binades_above, retry_scale
 
 INF = float("inf")
@@ -60,7 +61,7 @@ def test_a_warm_up_from_2_16_to_a_ceiling_of_2_7_loses_no_batch() -> None:
     # ... down to the ceiling, where one retry suffices and then none is needed.
     assert starts[:10] == [2.0 ** (16 - i) for i in range(10)]
     assert scales[9] == [2.0**7] and scaler.get_scale() == 2.0**7
-    assert scaler.stats.replays == 2 * 8 + 1
+    assert scaler.metrics()["scaler/replays"] == 2 * 8 + 1
 
 
 def test_an_outlier_under_torchs_rule_costs_one_backoff_as_without_the_loop() -> None:
@@ -85,7 +86,8 @@ def test_a_replayed_headroom_batch_leaves_the_meter_on_the_policys_schedule() ->
     saved = scaler.state_dict()["headroom"]
     # Batch 0 counts as one iteration of the schedule (its first overflow), the others one each.
     assert saved["iteration"] == 4
-    assert scaler._meter is not None and scaler._meter.iteration == 4  # type: ignore[attr-defined]
+    hook = scaler._hooks.find(MeterHook)
+    assert hook is not None and hook.meter.iteration == 4  # type: ignore[attr-defined]
 
 
 @given(
