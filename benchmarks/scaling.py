@@ -188,7 +188,7 @@ def gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return HFCausalLM(GPT2LMHeadModel(config))
 
