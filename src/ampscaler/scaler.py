@@ -55,7 +55,7 @@ from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
-from .guards import Guard, GuardSet
+from .guards import GuardSet
 from .hooks import Check, Hook, HookList, MeterHook
 from .hostcopy import read_values
 from .iteration import (
@@ -67,7 +67,7 @@ from .iteration import (
     SkipReason,
     StepOutcome,
 )
-from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, RecordCallback
+from .observe.monitor import Callback, CollapseCallback, Monitor, RecordCallback
 from .observe.sinks import Sink
 from .policy import Policy, policy_from_arguments
 from .policy.derived import torch_rule
@@ -92,9 +92,8 @@ def _deprecated(old: str, new: str) -> None:
     )
 
 
-GuardT = TypeVar("GuardT", bound=Guard)
 SinkT = TypeVar("SinkT", bound=Sink)
-AttachableT = TypeVar("AttachableT", bound=Hook | Guard | Attachable)
+PluginT = TypeVar("PluginT")
 
 
 def _reciprocal(live: LiveState, iteration: Iteration) -> torch.Tensor:
@@ -273,7 +272,6 @@ class GradScaler(TorchPrivateNames):
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
-        self._attempt = 0  # the try at the batch in progress (attempts())
         # Whether the last batch under attempts() stepped at a scale the policy set (its first
         # or second try): the scale its next batch starts from has carried a batch.
         self._last_batch_clean = False
@@ -724,7 +722,6 @@ class GradScaler(TorchPrivateNames):
             iteration.let_go_of_losses(clean=overflowed is False)
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
-        iteration.attempt = self._attempt
         self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
             self._bf16.stop()
@@ -832,11 +829,12 @@ class GradScaler(TorchPrivateNames):
                 failed = retry_scale(failed, limit - number)
                 self._rewind(first_backoff, failed)
             started = self._iteration
-            self._attempt = number
+            started.attempt = number  # the try at its batch the iteration in progress is
             try:
                 yield Attempt(number, limit)
             finally:
-                self._attempt = 0
+                if self._iteration is started:  # the body did not end it: not a try
+                    started.attempt = 0
             if not self._enabled:
                 return
             self._require_one_update(started)
@@ -1224,7 +1222,7 @@ class GradScaler(TorchPrivateNames):
         """The hook that holds the observers (always in the list)."""
         return self._hooks.find(Monitor)  # type: ignore[no-any-return]
 
-    def attach(self, plugin: AttachableT) -> AttachableT:
+    def attach(self, plugin: PluginT) -> PluginT:
         """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (what
         consumes step records, a sink, goes to :meth:`add_sink`; a callback to :meth:`on`):
 
@@ -1263,7 +1261,7 @@ class GradScaler(TorchPrivateNames):
             )
         return plugin
 
-    def detach(self, plugin: Hook | Guard) -> None:
+    def detach(self, plugin: object) -> None:
         """Take a hook or guard that :meth:`attach` added out again.
 
         Raises:
@@ -1274,16 +1272,16 @@ class GradScaler(TorchPrivateNames):
         elif not any(hook.release(plugin) for hook in self._hooks):
             raise ValueError(f"{plugin!r} is not attached to this scaler; see scaler.attach().")
 
-    def add_guard(self, guard: GuardT) -> GuardT:
+    def add_guard(self, guard: PluginT) -> PluginT:
         """Deprecated: :meth:`attach` takes guards."""
         _deprecated("add_guard(guard)", "scaler.attach(guard)")
-        if not isinstance(guard, Guard) or isinstance(guard, Hook):
+        if isinstance(guard, Hook) or not any(hook.adopt(guard) for hook in self._hooks):
             raise TypeError(
                 f"add_guard() takes a guard (an object with check(measured) and "
                 f"end_iteration(skipped), such as ampscaler.SpikeGuard), got "
                 f"{type(guard).__name__}."
             )
-        return self.attach(guard)
+        return guard
 
     def add_sink(self, sink: SinkT) -> SinkT:
         """Send every step record to ``sink`` (an object with ``write(record)``); returns it.
