@@ -46,6 +46,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     low, first, high = sorted(draw(st.lists(st.integers(-126, 127), min_size=3, max_size=3)))
     return {
         "margin": draw(st.one_of(st.sampled_from([1.0, 2.0, 1.5, 4.0]), st.floats(1.0, 1e6))),
+        "first_margin": draw(st.sampled_from([1.0, 2.0, 3.0])),
         "history_length": draw(st.integers(1, 5)),
         "sample_every": draw(st.integers(1, 4)),
         "backoff_factor": draw(st.sampled_from([0.5, 0.25, 2.0**-10])),
@@ -67,7 +68,8 @@ EVENTS = st.lists(st.tuples(st.booleans(), MEASURED), max_size=40)
 
 
 def _ref_of(config: dict[str, object]) -> HeadroomRef:
-    names = ("margin", "history_length", "backoff_factor", "recovery_interval", "first_scale")
+    names = ("margin", "first_margin", "history_length", "backoff_factor", "recovery_interval")
+    names = (*names, "first_scale")
     return HeadroomRef(
         **{name: config[name] for name in names},  # type: ignore[arg-type]
         min_scale=config["min_scale"],  # type: ignore[arg-type]
@@ -82,6 +84,8 @@ def _assert_matches(state: HeadroomState, ref: HeadroomRef) -> None:
     assert state.history.tolist() == ref.history
     assert int(state.measured) == ref.stored
     assert int(state.iteration) == ref.iteration
+    assert float(state.overflowed_at) == ref.overflowed_at
+    assert int(state.flushed) == ref.flushed
 
 
 def _tensor(measured: float | None) -> torch.Tensor | None:
@@ -143,7 +147,7 @@ def test_a_scripted_sequence_of_measurements_gives_the_expected_scales() -> None
 
 
 def test_the_first_measurement_sets_the_scale_and_unmeasured_iterations_keep_it() -> None:
-    policy = HeadroomPolicy(margin=1.0)
+    policy = HeadroomPolicy(margin=1.0, first_margin=1.0)  # the young history's margin too
     state = policy.initial_state(1.0, CPU)
     state = policy.adjust(state, torch.tensor(0.0))  # nothing measured yet: first_scale
     assert float(state.scale) == 1.0
@@ -342,7 +346,8 @@ def test_the_fused_one_pass_route_stays_open() -> None:
 
 
 def test_update_with_a_new_scale_holds_it_until_the_next_measurement() -> None:
-    policy = HeadroomPolicy(history_length=1, sample_every=3)  # measures iterations 0, 3, 6
+    # measures iterations 0, 3, 6; one margin for them all (the young history's is the same)
+    policy = HeadroomPolicy(history_length=1, sample_every=3, first_margin=2**0.5)
     scaler, model, opt = _rig(policy)
     measured = _train(scaler, model, opt, range(2))[1][0]
     with torch.autocast("cpu", dtype=torch.float16):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ampscaler
+from ampscaler.replay import retry_scale
 
 INF = float("inf")
 
@@ -88,19 +89,53 @@ def _try(
     return found and loss_finite
 
 
+def _by_hand(
+    scaler: torch.amp.GradScaler,
+    model: Net,
+    opts: list[torch.optim.Optimizer],
+    plan: Plan,
+    batch: int,
+    tries: int,
+    search: bool,
+) -> tuple[int, bool]:
+    """The replay loop of docs/replay.md written by hand over torch's scaler: retry a batch whose
+    scaled gradients overflowed; from the third try on, where ``search``, at the scales
+    ``retry_scale`` gives; once a batch took more than one retry, put the scale and growth
+    tracker back to where its first overflow left them. Returns the tries used and whether the
+    batch got through on its first retry at the latest."""
+    first: tuple[float, int] | None = None
+    failed = 0.0
+    for number in range(tries):
+        if first is not None and number >= 2 and search:
+            failed = retry_scale(failed, tries - number)
+            scaler._scale.fill_(failed)  # type: ignore[union-attr]
+            scaler._growth_tracker.fill_(first[1])  # type: ignore[union-attr]
+        overflow = _try(scaler, model, opts, plan, batch, number)
+        if first is None:
+            if number + 1 == tries or not overflow:
+                return number + 1, not overflow
+            first = (scaler.get_scale(), int(scaler._get_growth_tracker()))
+            failed = first[0]
+        elif number == 1 and not overflow:
+            return 2, True
+        elif number + 1 == tries or not overflow:
+            scaler._scale.fill_(first[0])  # type: ignore[union-attr]
+            scaler._growth_tracker.fill_(first[1])  # type: ignore[union-attr]
+            return number + 1, False
+    raise AssertionError("unreachable: the last try returns")
+
+
 def _run(factory: Callable[[], Any], kind: str, plan: Plan, tries: int = 3) -> Result:
     torch.manual_seed(0)
     model = Net()
     opts = _optimizers(model, kind)
     scaler = factory()
     result = Result([], [], [])
+    clean = False  # the last batch got through on the first retry at the latest
     for batch in range(plan.batches):
         used = 0
         if isinstance(scaler, torch.amp.GradScaler):  # the loop a user writes by hand
-            for number in range(tries):
-                used += 1
-                if not _try(scaler, model, opts, plan, batch, number):
-                    break
+            used, clean = _by_hand(scaler, model, opts, plan, batch, tries, search=not clean)
         else:
             for attempt in scaler.attempts(max_attempts=tries):
                 used += 1
@@ -148,7 +183,9 @@ def test_a_loss_that_is_already_inf_runs_once_and_a_hopeless_batch_stops_at_the_
     always = {(0, n) for n in range(10)}
     result = _run(lambda: scaler, "plain", Plan(grads=always, loss={(1, 0)}, batches=3), tries=4)
     assert result.tries == [4, 1, 1]
-    assert result.scales[0] == 2.0**12 / 16  # four tries, four backoffs
+    # Its backoffs are the batch's: one backoff, as a skip without the loop leaves (before
+    # issue 37 the loop left four, one per try: 2**12 / 16).
+    assert result.scales[0] == 2.0**12 / 2
     assert scaler.stats.replays == 3
 
 

@@ -334,6 +334,11 @@ class MeterHook(Hook):
         if measured is not None and self._agreement is not None:
             measured = self._agreement.launch(measured)
             self._agreement.settle()
+        if measured is None and iteration.overflow_known() is not False:
+            # An iteration that may have overflowed reaches the policy with "nothing measured"
+            # (< 0): the overflow itself is a measurement (HeadroomPolicy's bound). The flag is
+            # agreed across ranks already, so every rank passes the same.
+            measured = torch.full((), -1.0, dtype=torch.float32, device=live.device)
         iteration.measured = measured
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:

@@ -22,6 +22,7 @@ performance routes (``flat_grads``, ``one_pass_fused``).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -51,6 +52,7 @@ from .distributed import (
     warn_if_world_came_later,
 )
 from .errors import PersistentOverflowError, ScalerUsageError
+from .flushed import warn_flushed
 from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
@@ -72,7 +74,8 @@ from .observe.sinks import Sink
 from .policy import Policy, policy_from_arguments
 from .policy.derived import torch_rule
 from .precision import Bfloat16Watch
-from .state import LiveState, ScalerState, ScalerStats
+from .replay import retry_scale
+from .state import HostState, LiveState, ScalerState, ScalerStats
 from .taps import WatchedModels
 
 if TYPE_CHECKING:
@@ -272,6 +275,10 @@ class GradScaler(TorchPrivateNames):
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
+        # Whether the last batch under attempts() stepped at a scale the policy set (its first
+        # or second try): the scale its next batch starts from has carried a batch.
+        self._last_batch_clean = False
+        self._warned_flushed = False  # metrics() said that every measured gradient flushed
         self._hooks = HookList()
         self._hooks.add(Monitor(enabled=self._enabled))  # overflow reports, sinks, probes...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
@@ -767,14 +774,27 @@ class GradScaler(TorchPrivateNames):
         lower scale cannot help) and never for a guard's veto (:class:`~ampscaler.SpikeGuard`).
         After ``max_attempts`` tries the batch is skipped, as without the loop. Every try is a
         full iteration of the scaler (counted in ``stats.steps``; a skipped one in
-        ``stats.skipped``; a replayed one also in ``stats.replays``), so with the defaults a
-        run equals torch's scaler driven by the same loop written by hand, bit for bit.
+        ``stats.skipped``; a replayed one also in ``stats.replays``).
+
+        The backoffs a batch takes are the batch's (:mod:`ampscaler.replay`): the second try
+        runs where the policy's reaction to the overflow put the scale, so a batch that one
+        retry gets through (a growth probe) equals torch's scaler driven by the same loop
+        written by hand, bit for bit. A batch that overflows again leaves, once done (stepped
+        or skipped), the policy's state where its first overflow left it: one backoff below
+        its start, as a skipped batch without the loop. Its later tries run at the policy's
+        further backoffs when the batch before stepped at the run's scale (this batch is
+        larger than the run's: an outlier, skipped after ``max_attempts`` as torch skips it),
+        and otherwise, while the scale is still a guess (the first batch, and after a batch
+        that needed more), at scales that bisect in binades down to 1, the last try at 1
+        (:func:`~ampscaler.replay.retry_scale`): a warm-up from ``2**16`` to a ceiling of
+        ``2**7`` loses no batch at the default ``max_attempts``.
         Accumulation over micro-batches, several optimizers, fused optimizers and a compiled
         step inside the body all work; checkpoints go between batches.
 
         What it reads from the device: nothing after a try whose plain optimizers all stepped
         (their step already read the flag); one read (the iteration's flags) after a skipped
-        try, and after every try that steps a fused optimizer (whose kernel decided alone).
+        try, and after every try that steps a fused optimizer (whose kernel decided alone);
+        and, for a batch that overflows twice, the policy's state once (to return to it).
         With a ``process_group`` the decision comes from values agreed across the ranks, so
         every rank replays or none.
 
@@ -809,7 +829,14 @@ class GradScaler(TorchPrivateNames):
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
             )
+        first_backoff: HostState | None = None  # the state the first try's overflow left
+        search = not self._last_batch_clean  # the run's scale is a guess: search below it
+        self._last_batch_clean = False
+        failed = 0.0  # the scale of the last try that overflowed
         for number in range(limit):
+            if first_backoff is not None and number >= 2 and search:
+                failed = retry_scale(failed, limit - number)
+                self._rewind(first_backoff, failed)
             started = self._iteration
             started.attempt = number  # the try at its batch the iteration in progress is
             try:
@@ -820,9 +847,31 @@ class GradScaler(TorchPrivateNames):
             if not self._enabled:
                 return
             self._require_one_update(started)
-            if number + 1 == limit or not self._overflowed(started):
-                return
+            last = number + 1 == limit
+            if first_backoff is None:  # the first try
+                if last:
+                    return  # max_attempts=1: nothing to decide
+                if not self._overflowed(started):
+                    self._last_batch_clean = True
+                    return
+                first_backoff = self._state.snapshot()
+                failed = first_backoff.scale
+            else:
+                overflowed = self._overflowed(started)
+                if number == 1 and not overflowed:
+                    self._last_batch_clean = True
+                    return  # one retry got it through: torch's scaler under a loop by hand
+                if last or not overflowed:
+                    self._rewind(first_backoff, first_backoff.scale)
+                    return
             self._state.count_replay()
+
+    def _rewind(self, to: HostState, scale: float) -> None:
+        """``attempts()``: put the policy's state back to ``to`` with the scale ``scale`` (the
+        counters go on); the meter follows the policy's schedule from there."""
+        policy = self._state.policy
+        self._state.load(dataclasses.replace(to, scale=scale, stats=self._state.stats()), policy)
+        self._add_meter(policy, to.own.get("iteration", 0))
 
     def _require_one_update(self, started: Iteration) -> None:
         """Check that the try ended the iteration it started with ``update()``, and no other:
@@ -903,7 +952,11 @@ class GradScaler(TorchPrivateNames):
           vetoed finite gradients;
         - ``steps``, ``skips``, ``replays``, ``growths``, ``backoffs``, ``spike_skips``,
           ``consecutive_skips``: the running counts (:attr:`stats`; ``skips`` is
-          ``stats.skipped``).
+          ``stats.skipped``);
+        - ``flushed_measurements``, with a measuring policy (:class:`~ampscaler.HeadroomPolicy`):
+          measured iterations whose every measured gradient was zero in float16 at their scale.
+          The first time it reads a count above 0 it warns (a
+          :class:`~ampscaler.flushed.GradientsFlushedWarning`, once per scaler) with what to do.
 
         One host sync, whatever is asked: every value is read from the device in one copy
         (what ``get_scale()`` alone costs). Call it after :meth:`update`, every step if you
@@ -928,13 +981,18 @@ class GradScaler(TorchPrivateNames):
         """
         live = self._state.live if self._enabled else None
         finished = self._finished
+        flushed: int | None = None
         if live is None or finished is None:
             scale, stats, cause = self.get_scale(), self._state.stats(), 0
         else:
-            read = read_values([live.scale, live.counters.values, finished.outcome_flags()])
+            counted = getattr(live.tensors, "flushed", None)  # a measuring policy's count
+            extra = [] if counted is None else [counted]
+            flags = finished.outcome_flags()
+            read = read_values([live.scale, live.counters.values, flags, *extra])
             scale, stats = read[0], ScalerStats(*read[1])
             found, spike, loss = read[2]
             cause = (2 if loss > 0 else 1) if found > 0 else (3 if spike > 0 else 0)
+            flushed = int(read[3]) if extra else None
         values: dict[str, float | int] = {
             "scale": float(scale),
             "skipped": int(cause > 0),
@@ -947,6 +1005,11 @@ class GradScaler(TorchPrivateNames):
             "spike_skips": stats.spike_skips,
             "consecutive_skips": stats.consecutive_skips,
         }
+        if flushed is not None:
+            values["flushed_measurements"] = flushed
+            if flushed and not self._warned_flushed:
+                self._warned_flushed = True
+                warn_flushed(float(scale), flushed)
         return {prefix + name: value for name, value in values.items()}
 
     @property

@@ -58,6 +58,9 @@ __all__ = [
 _TORCH_ALIASES: dict[type[Policy], dict[str, str]] = {
     HeadroomPolicy: {"growth_interval": "recovery_interval"},
 }
+#: Settings a built-in policy gained since ampscaler 0.1, and the setting whose value an older
+#: checkpoint's run had for it (a HeadroomPolicy's young history kept its one margin).
+_ADDED_SINCE_0_1: dict[type[Policy], dict[str, str]] = {HeadroomPolicy: {"first_margin": "margin"}}
 #: The built-in policies that save the rule's keys beside torch's (ampscaler 0.1's layout).
 _FLAT: tuple[type[Policy], ...] = (
     ScalePolicy,
@@ -223,7 +226,7 @@ def from_checkpoint(policy: Policy, saved: Mapping[str, Any]) -> tuple[Policy, d
             "(torch.distributed.checkpoint), make the template with a scaler constructed with "
             f"the same policy, so that it has the section."
         )
-    restored = with_fields(policy, section)
+    restored = with_fields(policy, {**_added_since_0_1(policy, section), **section})
     own = {key: value for key, value in section.items() if key not in policy_fields(restored)}
     return restored, restored.own_values(own)
 
@@ -244,6 +247,11 @@ def _scale_policy(current: ScalePolicy, saved: Mapping[str, Any]) -> tuple[Polic
             f"_hysteresis_tracker must not exceed hysteresis ({restored.hysteresis}), got {budget}."
         )
     return restored, {"hysteresis_left": budget}
+
+
+def _added_since_0_1(policy: Policy, section: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings added since ampscaler 0.1, with the values an older checkpoint's run had."""
+    return {new: section.get(old) for new, old in _ADDED_SINCE_0_1.get(type(policy), {}).items()}
 
 
 def from_torch_dict(policy: Policy, saved: Mapping[str, Any]) -> Policy:

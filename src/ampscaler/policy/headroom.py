@@ -38,6 +38,8 @@ from .base import (
 
 __all__ = ["HEADROOM_EXPONENTS", "HeadroomPolicy", "HeadroomState"]
 
+_INFINITY = torch.tensor(math.inf, dtype=torch.float64)
+
 #: range, where ``1/scale`` is exact.
 HEADROOM_EXPONENTS = (-126, 127)
 
@@ -57,6 +59,9 @@ class HeadroomState(NamedTuple):
         measured: int64, measurements stored so far (the next goes to slot
             ``measured % history_length``).
         iteration: int64, updates so far (what the measuring schedule counts).
+        overflowed_at: float32, the scale of the last overflow (0: none yet).
+        flushed: int64, measured iterations whose every measured gradient was zero at their
+            scale (flushed to zero in float16: the scale does not help them).
     """
 
     scale: torch.Tensor
@@ -65,6 +70,8 @@ class HeadroomState(NamedTuple):
     history: torch.Tensor
     measured: torch.Tensor
     iteration: torch.Tensor
+    overflowed_at: torch.Tensor
+    flushed: torch.Tensor
 
 
 #: The largest count a HeadroomPolicy setting takes (its counters are int64 tensors).
@@ -114,18 +121,42 @@ class HeadroomPolicy(Policy):
     ``sample_every``-th; the last ``history_length`` measurements are kept, and the largest
     of them sets the scale. The first iteration runs at ``first_scale`` (1 by default, where
     float16 training without scaling runs), so its measurement sets the scale before any step
-    could overflow: no run skips warm-up steps, whatever the scale would have started at.
+    could overflow. While the history is young (its first ``history_length`` iterations) the
+    margin is ``first_margin``: the first optimizer steps move the gradients most.
+
+    Three more things are measurements. An iteration whose every measured gradient was zero
+    (flushed in float16) before anything else was measured says the scale is too low to see
+    anything: the target doubles, as a reactive rule grows, once per such iteration (and the
+    iteration is counted in ``flushed``). An overflow at scale ``S`` says the largest gradient
+    exceeded ``65504 / S``; a single one may be a one-off (the scale recovers to the target,
+    as before), but an overflow at or above the scale of the last one enters the history as
+    that bound, so the target stays below ``S`` for as long as a measurement would hold it: heavy
+    tails stop pulling the scale back into them after every recovery. (The scaler hands an
+    iteration that may have overflowed to the policy with ``measured < 0``, "nothing seen",
+    when it was not measured, so that the bound is taken.)
 
     One call of :meth:`adjust`, with ``overflow = found_inf > 0`` and ``measured`` the largest
-    gradient magnitude of the iteration at its scale (``None``: not measured)::
+    gradient magnitude of the iteration at its scale (``None``: not measured; ``< 0``: nothing
+    seen)::
 
         trouble = overflow or (measured is inf, NaN or > 65504)
-        if measured and not trouble and measured > 0:
-            history[stored % history_length] = measured / scale;  stored += 1
-        if measured and max(history) > 0:
-            new = the largest 2**e <= 65504 / (max(history) * margin),
-                  within [min_scale, max_scale]
-            scale = scale * new / target;  target = new      # keep the distance below it
+        if measured is not None:
+            usable = measured > 0 and not trouble
+            again = trouble and 0 < overflowed_at <= scale   # it overflowed here before
+            if usable or again:
+                history[stored % history_length] = (measured / scale if usable
+                                                    else next_up(65504 / scale))
+                stored += 1
+            if trouble:  overflowed_at = scale
+            flushed = measured == 0 and not trouble;  flushes += flushed
+            m = first_margin if iteration < history_length else margin
+            if max(history) > 0:
+                new = the largest 2**e <= 65504 / (max(history) * m),
+                      within [min_scale, max_scale]
+            elif flushed:  new = min(2 * target, max_scale)   # nothing seen yet: grow
+            else:          new = target
+            if not trouble:  scale = scale * new / target       # keep the distance below it
+            target = new
         if trouble:  scale *= backoff_factor;  tracker = 0    # torch's rule ...
         else:        tracker += 1
                      if tracker == recovery_interval:  tracker = 0;  scale *= 2
@@ -135,7 +166,8 @@ class HeadroomPolicy(Policy):
     Products of powers of two are exact, so the scale stays a power of two: unscaling is exact
     and fused optimizers keep ampscaler's one-pass route. Written with ``torch.where`` and
     torch's fused update kernel, it runs on the device and never waits for it; an iteration
-    that was not measured costs four small device ops, a measured one about thirty.
+    that was not measured, and that the host knows did not overflow, costs four small device
+    ops; a measured one (or one that may have overflowed) about forty.
 
     Args:
         margin: the largest scaled gradient is kept at least this factor below 65504; >= 1.
@@ -143,6 +175,11 @@ class HeadroomPolicy(Policy):
             two another half on average) for gradients to grow between measurements and for
             values the measurement does not see (inside fused attention, say); ``2.0`` or more
             for gradients that jump more (docs/headroom.md has measurements).
+        first_margin: the margin while the history is young (its first ``history_length``
+            iterations, every one measured); >= 1. The default, 2, covers how much the largest
+            gradient grew from one iteration to the next in the first 40 optimizer steps of
+            the workloads of ``benchmarks/scaling.py``: up to 1.99x (Student-t advantages),
+            1.52x (a text LM), 1.39x (an MLP), 1.18x (GPT-2).
         history_length: measurements kept; the largest sets the scale; >= 1.
         sample_every: after the first ``history_length`` iterations, measure every this many;
             >= 1 (``1``: every iteration).
@@ -176,6 +213,7 @@ class HeadroomPolicy(Policy):
     """
 
     margin: float = 2.0**0.5
+    first_margin: float = 2.0
     history_length: int = 64
     sample_every: int = 32
     backoff_factor: float = 0.5
@@ -190,6 +228,12 @@ class HeadroomPolicy(Policy):
             raise InvalidConfigError(
                 f"margin must be a finite number >= 1 (the factor kept between the largest "
                 f"scaled gradient and 65504; 1 keeps none), got {self.margin!r}."
+            )
+        first_margin = require_number("first_margin", self.first_margin)
+        if not (first_margin >= 1.0 and math.isfinite(first_margin)):
+            raise InvalidConfigError(
+                f"first_margin must be a finite number >= 1 (the margin while the history is "
+                f"young, its first history_length iterations), got {self.first_margin!r}."
             )
         _require_count("history_length", self.history_length)
         _require_count("sample_every", self.sample_every)
@@ -262,6 +306,10 @@ class HeadroomPolicy(Policy):
             history=torch.tensor(history, dtype=torch.float64, device=device),
             measured=torch.full((), values.get("measured", 0), dtype=torch.int64, device=device),
             iteration=torch.full((), values.get("iteration", 0), dtype=torch.int64, device=device),
+            overflowed_at=torch.full(
+                (), values.get("overflowed_at", 0.0), dtype=torch.float32, device=device
+            ),
+            flushed=torch.full((), values.get("flushed", 0), dtype=torch.int64, device=device),
         )
 
     def own_values(self, saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,6 +334,16 @@ class HeadroomPolicy(Policy):
             values[name] = require_int(
                 f"headroom[{name!r}]", saved.get(name), 0, _COUNT_MAX, integral_floats=True
             )
+        # Checkpoints before 0.2 hold neither: no overflow seen, nothing flushed.
+        values["flushed"] = require_int(
+            "headroom['flushed']", saved.get("flushed", 0), 0, _COUNT_MAX, integral_floats=True
+        )
+        overflowed_at = saved.get("overflowed_at", 0.0)
+        values["overflowed_at"] = (
+            0.0
+            if overflowed_at == 0
+            else self.check_scale("headroom['overflowed_at']", overflowed_at)
+        )
         return values
 
     def lowest_after(self, scale: float, overflowed: bool | None) -> float:
@@ -372,24 +430,40 @@ class HeadroomPolicy(Policy):
     def _measure_(
         self, live: HeadroomState, flag: torch.Tensor, measured: torch.Tensor
     ) -> torch.Tensor:
-        """Take ``measured`` into the history, the target and the scale, in place; returns the
-        flag torch's rule moves the scale by (the overflow flag, raised for a measurement
-        beyond float16)."""
+        """Take ``measured`` (and an overflow's bound) into the history, the target and the
+        scale, in place; returns the flag torch's rule moves the scale by (the overflow flag,
+        raised for a measurement beyond float16)."""
         hot = ~(measured <= FP16_MAX)  # inf, NaN, or beyond float16
         flag = flag + hot
-        usable = (measured > 0.0) & (flag == 0)
+        over = flag > 0
+        usable = (measured > 0.0) & ~over
+        scale = live.scale.double()
+        # An overflow at a scale at or above the last one's: the largest gradient exceeded
+        # 65504 / scale (the next float64 up: the target must stay below this scale).
+        again = over & (live.overflowed_at > 0.0) & (live.scale >= live.overflowed_at)
+        bound = torch.nextafter(torch.full_like(scale, FP16_MAX) / scale, _INFINITY)
+        entry = torch.where(usable, measured.double() / scale, bound)
+        write = usable | again
         slot = torch.remainder(live.measured, self.history_length).reshape(1)
-        relative = measured.double() / live.scale.double()
-        live.history.index_put_((slot,), torch.where(usable, relative, live.history[slot]))
-        live.measured.add_(usable)
+        live.history.index_put_((slot,), torch.where(write, entry, live.history[slot]))
+        live.measured.add_(write)
+        live.overflowed_at.copy_(torch.where(over, live.scale, live.overflowed_at))
+        flushed = (measured == 0.0) & ~over  # measured, and every gradient was zero
+        live.flushed.add_(flushed)
         peak = live.history.max()
+        young = live.iteration < self.history_length
+        kept = torch.where(young, peak * self.first_margin, peak * self.margin)
         # One correctly rounded division (a Python number over a tensor would round twice).
-        room = torch.full_like(peak, FP16_MAX) / (peak * self.margin)
+        room = torch.full_like(peak, FP16_MAX) / kept
         _, exponent = torch.frexp(room)  # room = m * 2**exponent with 0.5 <= m < 1
         low, high = self.exponents
         allowed = torch.exp2((exponent - 1).clamp(low, high).double()).float()
-        target = torch.where(peak > 0.0, allowed, live.target)
-        live.scale.mul_(target / live.target)  # a ratio of powers of two: exact
+        # Nothing measured before, and every gradient zero now: the scale is too low to see
+        # anything; it doubles, as a reactive rule grows (once per measured iteration).
+        grown = torch.where(flushed, torch.clamp(live.target * 2.0, max=2.0**high), live.target)
+        target = torch.where(peak > 0.0, allowed, grown)
+        ratio = torch.where(over, 1.0, target / live.target)  # a ratio of powers of two: exact
+        live.scale.mul_(ratio)  # keep the distance below the target (an overflow backs off)
         live.target.copy_(target)
         return flag
 

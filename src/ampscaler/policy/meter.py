@@ -45,7 +45,7 @@ Example:
     >>> scaler.scale(loss).backward()   # at scale 1: the largest gradient is 1.0
     >>> scaler.step(opt)
     >>> scaler.update()
-    >>> scaler.get_scale() == 2.0**15   # 2**15 * 1.0 * margin 2**0.5 <= 65504 < 2**16 * ...
+    >>> scaler.get_scale() == 2.0**14   # 2**14 * 1.0 * first_margin 2 <= 65504 < 2**15 * ...
     True
 """
 

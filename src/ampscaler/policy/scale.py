@@ -314,6 +314,7 @@ class ScalePolicy(Policy):
         floor = None if self.min_scale is None else pow2_exponent(float32_value(self.min_scale))
         return PowerOfTwo(drop=-backoff, floor=floor)
 
+
 def _scale_state(state: PolicyState) -> ScaleState:
     if not isinstance(state, ScaleState):
         raise TypeError(

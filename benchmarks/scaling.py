@@ -1,0 +1,561 @@
+"""Loss scaling on several real workloads: batches lost, skips, scale, underflow, loss, time.
+
+Six workloads, each trained from the same initial weights on the same batches by every arm, in
+float16 autocast on the CPU (one thread, fixed seeds):
+
+- ``text-lm``: a character-level causal transformer LM on the text of Python's standard library
+  sources (read from this interpreter's ``Lib``: real text, available offline), mean
+  cross-entropy, AdamW;
+- ``gpt2``: a transformers GPT-2 built from a config (no download) on the text of ampscaler's
+  own docs, mean cross-entropy, AdamW (left out, and said so, without transformers);
+- ``pg-outliers``: the ``text-lm`` model trained by a policy-gradient loss,
+  ``-(advantage * log p(next character))``, with one advantage per sequence, ``1 + t`` for a
+  Student's t with 2 degrees of freedom (heavy-tailed: infinite variance), and every 30th
+  batch an outlier whose advantages are 1000 times larger;
+- ``token-sum``: the ``text-lm`` model with the cross-entropy *summed* over the tokens: the
+  scale's ceiling sits some seven binades below torch's start of 2**16, a warm-up to lose
+  batches in;
+- ``tiny-loss``: a 3-layer tanh MLP whose squared error is multiplied by 2**-24: at scale 1
+  every gradient flushes to zero in float16;
+- ``mlp``: the same MLP with its plain squared error.
+
+The arms: ``torch`` (``torch.amp.GradScaler``'s defaults), ``ampscaler`` (ampscaler's defaults:
+torch's bit for bit, checked here), ``torch+attempts`` (ampscaler's defaults under
+``scaler.attempts()`` at its default ``max_attempts``), ``headroom`` (``HeadroomPolicy()``, the
+model watched), ``headroom+attempts``, ``hysteresis-2`` (torch's rule with ``hysteresis=2``);
+and ``fp32`` (no autocast, no scaler), the reference for the held-out loss. The arms step in
+lockstep, batch by batch, in an order that rotates, so a load on the machine falls on all of
+them alike.
+
+Per arm: ordinary and outlier batches lost (the batch's last try skipped), skipped tries,
+extra passes (tries beyond one per batch), mean log2 of the scale each batch started at, the
+measured underflow (every ``--probe-every`` batches, before the arms train on it: the share of
+parameter-gradient elements that are nonzero in an fp32 backward but zero in the arm's float16
+backward at its scale), the held-out loss (fp32, after training) over the fp32 arm's, the
+median thread time of a clean batch (one try, stepped) over torch's, and, for the torch-rule
+arms, the largest binades by which the scale right after an outlier sits below torch's own 20
+batches after it.
+
+    PYTHONPATH=src python benchmarks/scaling.py            # 300 batches per workload
+    PYTHONPATH=src python benchmarks/scaling.py --quick    # 30 batches: a smoke test
+    PYTHONPATH=src python benchmarks/scaling.py --json out.json --workloads text-lm,mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from headroom import TinyLM
+
+import ampscaler
+
+VOCAB = 128  # characters as 7-bit codes: the sources and docs are ASCII but for a few
+OUTLIER_EVERY = 30
+OUTLIER_FACTOR = 1000.0
+AFTER_OUTLIER = 20  # batches after an outlier at which torch's own scale is the yardstick
+
+
+@dataclass
+class Batch:
+    """What every arm trains on: inputs, targets, per-row weights (advantages) and whether it is
+    an outlier."""
+
+    inputs: Tensor
+    targets: Tensor
+    weights: Tensor | None = None
+    outlier: bool = False
+
+
+@dataclass
+class Workload:
+    """A model, its batches and its losses (``half``: under float16 autocast)."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batches: list[Batch]
+    held_out: list[Batch]
+    loss: Callable[[nn.Module, Batch, bool], Tensor]
+    held_out_loss: Callable[[nn.Module, Batch], Tensor]
+    lr: float
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def stdlib_text(size: int) -> bytes:
+    """The first ``size`` bytes of the standard library's sources, in file name order."""
+    root = Path(os.__file__).parent
+    out = bytearray()
+    for path in sorted(root.glob("*.py")):
+        out += path.read_bytes()
+        if len(out) >= size:
+            break
+    return bytes(out[:size])
+
+
+def docs_text(size: int) -> bytes:
+    """ampscaler's docs (docs/*.md), repeated to ``size`` bytes if they are shorter."""
+    root = Path(__file__).resolve().parent.parent / "docs"
+    text = b"".join(path.read_bytes() for path in sorted(root.glob("*.md")))
+    return (text * (size // max(len(text), 1) + 1))[:size]
+
+
+def text_batches(
+    text: bytes, steps: int, batch: int, context: int, seed: int
+) -> tuple[list[Batch], list[Batch]]:
+    """Random windows of the first 90% of ``text`` for training; 4 fixed batches of the last
+    10% held out."""
+    codes = torch.tensor(list(text), dtype=torch.long) & (VOCAB - 1)
+    split = len(codes) * 9 // 10
+    generator = torch.Generator().manual_seed(seed)
+
+    def windows(low: int, high: int) -> Batch:
+        starts = torch.randint(low, high - context - 1, (batch,), generator=generator)
+        rows = torch.stack([codes[s : s + context + 1] for s in starts.tolist()])
+        return Batch(rows[:, :-1], rows[:, 1:])
+
+    train = [windows(0, split) for _ in range(steps)]
+    held = [windows(split, len(codes)) for _ in range(4)]
+    return train, held
+
+
+def with_advantages(batches: list[Batch], seed: int) -> list[Batch]:
+    """Per-row advantages ``1 + t`` (Student's t, 2 degrees of freedom: ``z / sqrt(Exp(1))``),
+    1000 times larger on every 30th batch (the outliers)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for number, batch in enumerate(batches):
+        rows = batch.inputs.shape[0]
+        normal = torch.randn(rows, generator=generator)
+        tails = normal / torch.empty(rows).exponential_(1.0, generator=generator).sqrt()
+        outlier = number % OUTLIER_EVERY == OUTLIER_EVERY // 2
+        weights = (1.0 + tails) * (OUTLIER_FACTOR if outlier else 1.0)
+        out.append(Batch(batch.inputs, batch.targets, weights, outlier))
+    return out
+
+
+def teacher_batches(steps: int, batch: int, seed: int) -> tuple[list[Batch], list[Batch]]:
+    """Inputs and a fixed random tanh teacher's outputs."""
+    generator = torch.Generator().manual_seed(seed)
+    first = torch.randn(16, 32, generator=generator) / 4
+    second = torch.randn(32, 4, generator=generator)
+
+    def one() -> Batch:
+        x = torch.randn(batch, 16, generator=generator)
+        return Batch(x, torch.tanh(x @ first) @ second)
+
+    return [one() for _ in range(steps)], [one() for _ in range(4)]
+
+
+# ---------------------------------------------------------------------------- models and losses
+
+
+def tiny_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyLM(VOCAB, width=32, depth=2, heads=4, context=32)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM returning its logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx).logits  # type: ignore[no-any-return]
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return HFCausalLM(GPT2LMHeadModel(config))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
+
+
+def logits(model: nn.Module, batch: Batch, half: bool) -> Tensor:
+    with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+        out: Tensor = model(batch.inputs)
+    return out.float()
+
+
+def mean_ce(model: nn.Module, batch: Batch, half: bool) -> Tensor:
+    return F.cross_entropy(logits(model, batch, half).reshape(-1, VOCAB), batch.targets.reshape(-1))
+
+
+def sum_ce(model: nn.Module, batch: Batch, half: bool) -> Tensor:
+    out = logits(model, batch, half).reshape(-1, VOCAB)
+    return F.cross_entropy(out, batch.targets.reshape(-1), reduction="sum")
+
+
+def policy_gradient(model: nn.Module, batch: Batch, half: bool) -> Tensor:
+    logp = torch.log_softmax(logits(model, batch, half), -1)
+    taken = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    assert batch.weights is not None
+    return -(batch.weights.unsqueeze(-1) * taken).mean()
+
+
+def held_out_ce(model: nn.Module, batch: Batch) -> Tensor:
+    return mean_ce(model, batch, half=False)
+
+
+def squared_error(factor: float) -> Callable[[nn.Module, Batch, bool], Tensor]:
+    def loss(model: nn.Module, batch: Batch, half: bool) -> Tensor:
+        return F.mse_loss(logits(model, batch, half), batch.targets) * factor
+
+    return loss
+
+
+def held_out_mse(model: nn.Module, batch: Batch) -> Tensor:
+    return F.mse_loss(logits(model, batch, half=False), batch.targets)
+
+
+def workloads(steps: int, chosen: set[str] | None) -> list[Workload]:
+    def wanted(name: str) -> bool:
+        return chosen is None or name in chosen
+
+    out = []
+    context, rows = 32, 8
+    size = 400_000
+    if wanted("text-lm") or wanted("pg-outliers") or wanted("token-sum"):
+        text = stdlib_text(size)
+        train, held = text_batches(text, steps, rows, context, seed=1)
+        if wanted("text-lm"):
+            out.append(Workload("text-lm", tiny_lm, train, held, mean_ce, held_out_ce, 3e-3))
+        if wanted("pg-outliers"):
+            pg = with_advantages(train, seed=2)
+            out.append(
+                Workload("pg-outliers", tiny_lm, pg, held, policy_gradient, held_out_ce, 1e-3)
+            )
+        if wanted("token-sum"):
+            out.append(Workload("token-sum", tiny_lm, train, held, sum_ce, held_out_ce, 3e-3))
+    if wanted("gpt2"):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("gpt2: left out (transformers is not installed)")
+        else:
+            train, held = text_batches(docs_text(size), steps, rows, context, seed=3)
+            out.append(Workload("gpt2", gpt2, train, held, mean_ce, held_out_ce, 3e-3))
+    train, held = teacher_batches(steps, 64, seed=4)
+    if wanted("tiny-loss"):
+        tiny = squared_error(2.0**-24)
+        out.append(Workload("tiny-loss", mlp, train, held, tiny, held_out_mse, 3e-3))
+    if wanted("mlp"):
+        plain = squared_error(1.0)
+        out.append(Workload("mlp", mlp, train, held, plain, held_out_mse, 3e-3))
+    return out
+
+
+# ---------------------------------------------------------------------------- arms
+
+
+@dataclass
+class Arm:
+    """One way to train: a scaler (``None``: fp32, no autocast) and whether ``attempts()``
+    drives it."""
+
+    name: str
+    make: Callable[[nn.Module], Any] | None
+    attempts: bool = False
+
+
+HEADROOM: dict[str, float] = {}  # HeadroomPolicy's settings (--margin, --first-margin)
+
+
+def headroom_scaler(model: nn.Module) -> ampscaler.GradScaler:
+    scaler = ampscaler.GradScaler("cpu", policy=ampscaler.HeadroomPolicy(**HEADROOM))
+    scaler.watch(model)
+    return scaler
+
+
+ARMS = [
+    Arm("torch", lambda model: torch.amp.GradScaler("cpu")),
+    Arm("ampscaler", lambda model: ampscaler.GradScaler("cpu")),
+    Arm("torch+attempts", lambda model: ampscaler.GradScaler("cpu"), attempts=True),
+    Arm("headroom", headroom_scaler),
+    Arm("headroom+attempts", headroom_scaler, attempts=True),
+    Arm("hysteresis-2", lambda model: ampscaler.GradScaler("cpu", hysteresis=2)),
+    Arm("fp32", None),
+]
+
+
+@dataclass
+class Tally:
+    """What one arm did over a run."""
+
+    tries: int = 0
+    skips: int = 0
+    lost_ordinary: int = 0
+    lost_outliers: int = 0
+    start_scales: list[float] = field(default_factory=list)
+    clean_seconds: list[float] = field(default_factory=list)
+    underflow: list[int] = field(default_factory=lambda: [0, 0])  # [flushed, carrying signal]
+    held_out: float = math.nan
+    flush_warnings: int = 0
+
+
+@dataclass
+class Trainer:
+    """One arm's model, optimizer and scaler, and its tally."""
+
+    arm: Arm
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    tally: Tally = field(default_factory=Tally)
+
+
+def skipped(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the try that just ran skipped its step (torch's scaler: read before update)."""
+    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, ampscaler.GradScaler):
+        return any(v.item() > 0 for v in scaler._found_inf_per_device(optimizer).values())
+    return bool(scaler.last_step_skipped)
+
+
+def one_try(work: Workload, trainer: Trainer, batch: Batch) -> bool:
+    """Forward, backward, step, update; whether the step was skipped."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    scaler = trainer.scaler
+    loss = work.loss(trainer.model, batch, scaler is not None)
+    if scaler is None:
+        loss.backward()
+        trainer.optimizer.step()
+        return False
+    scaler.scale(loss).backward()
+    scaler.step(trainer.optimizer)
+    is_torch = not isinstance(scaler, ampscaler.GradScaler)
+    was_skipped = skipped(scaler, trainer.optimizer) if is_torch else False
+    scaler.update()
+    return was_skipped if is_torch else skipped(scaler, trainer.optimizer)
+
+
+def train_batch(work: Workload, trainer: Trainer, batch: Batch) -> None:
+    tally, scaler = trainer.tally, trainer.scaler
+    tally.start_scales.append(1.0 if scaler is None else scaler.get_scale())
+    tries = scaler.attempts() if trainer.arm.attempts else range(1)
+    start = time.thread_time()
+    count, last = 0, False
+    for _ in tries:
+        count += 1
+        last = one_try(work, trainer, batch)
+        tally.skips += last
+    seconds = time.thread_time() - start
+    tally.tries += count
+    if count == 1 and not last:
+        tally.clean_seconds.append(seconds)
+    if last:
+        if batch.outlier:
+            tally.lost_outliers += 1
+        else:
+            tally.lost_ordinary += 1
+
+
+def param_grads(model: nn.Module) -> list[Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def probe_underflow(work: Workload, trainer: Trainer, batch: Batch) -> None:
+    """Count the gradient elements nonzero in fp32 but zero in float16 at the arm's scale."""
+    model, scaler = trainer.model, trainer.scaler
+    scale = scaler.get_scale()
+    model.zero_grad(set_to_none=True)
+    work.loss(model, batch, False).backward()
+    exact = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    (work.loss(model, batch, True) * scale).backward()
+    half = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    if not all(torch.isfinite(g).all() for g in half):
+        return  # an overflow at this scale: nothing to say about underflow
+    for ref, got in zip(exact, half, strict=True):
+        signal = ref != 0
+        trainer.tally.underflow[0] += int((signal & (got == 0)).sum())
+        trainer.tally.underflow[1] += int(signal.sum())
+
+
+def run_workload(work: Workload, probe_every: int) -> dict[str, Tally]:
+    initial = work.build()
+    trainers = []
+    for arm in ARMS:
+        model = copy.deepcopy(initial)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=work.lr)
+        scaler = None if arm.make is None else arm.make(model)
+        trainers.append(Trainer(arm, model, optimizer, scaler))
+    for number, batch in enumerate(work.batches):
+        order = trainers[number % len(trainers) :] + trainers[: number % len(trainers)]
+        for trainer in order:
+            if number % probe_every == 0 and trainer.scaler is not None:
+                probe_underflow(work, trainer, batch)
+            train_batch(work, trainer, batch)
+    for trainer in trainers:
+        with torch.no_grad():
+            losses = [float(work.held_out_loss(trainer.model, b)) for b in work.held_out]
+        trainer.tally.held_out = statistics.fmean(losses)
+    check_bitwise(trainers)
+    return {trainer.arm.name: trainer.tally for trainer in trainers}
+
+
+def check_bitwise(trainers: list[Trainer]) -> None:
+    """ampscaler's defaults must end with torch's parameters, bit for bit."""
+    by_name = {trainer.arm.name: trainer for trainer in trainers}
+    ours, theirs = by_name["ampscaler"].model, by_name["torch"].model
+    pairs = zip(ours.parameters(), theirs.parameters(), strict=True)
+    same = all(torch.equal(a, b) for a, b in pairs)
+    if not same:
+        raise SystemExit("ampscaler's defaults did not end with torch's parameters bit for bit")
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def outlier_gap(tally: Tally, torch_tally: Tally, outliers: list[int]) -> float | None:
+    """The most binades by which the scale right after an outlier sits below torch's own
+    scale 20 batches after it (``None``: no outlier with 20 batches after it)."""
+    gaps = [
+        math.log2(torch_tally.start_scales[o + AFTER_OUTLIER] / tally.start_scales[o + 1])
+        for o in outliers
+        if o + AFTER_OUTLIER < len(tally.start_scales)
+    ]
+    return max(gaps) if gaps else None
+
+
+def summarize(work: Workload, tallies: dict[str, Tally]) -> dict[str, dict[str, Any]]:
+    base = tallies["torch"]
+    fp32 = tallies["fp32"].held_out
+    torch_clean = statistics.median(base.clean_seconds) if base.clean_seconds else math.nan
+    outliers = [i for i, batch in enumerate(work.batches) if batch.outlier]
+    rows: dict[str, dict[str, Any]] = {}
+    for name, tally in tallies.items():
+        if name == "fp32":
+            continue
+        flushed, signal = tally.underflow
+        clean = statistics.median(tally.clean_seconds) if tally.clean_seconds else math.nan
+        rows[name] = {
+            "lost": tally.lost_ordinary,
+            "lost_outliers": tally.lost_outliers,
+            "skips": tally.skips,
+            "extra_passes": tally.tries - len(work.batches),
+            "mean_log2_scale": statistics.fmean(math.log2(s) for s in tally.start_scales),
+            "final_scale": tally.start_scales[-1],
+            "flushed": flushed / signal if signal else 0.0,
+            "held_out_vs_fp32": tally.held_out / fp32,
+            "held_out_vs_torch": tally.held_out / base.held_out,
+            "clean_time_vs_torch": clean / torch_clean,
+            "outlier_gap": outlier_gap(tally, base, outliers),
+        }
+    return rows
+
+
+COLUMNS = [
+    ("lost", "lost", "{:d}"),
+    ("lost_outliers", "outl.", "{:d}"),
+    ("skips", "skips", "{:d}"),
+    ("extra_passes", "extra", "{:d}"),
+    ("mean_log2_scale", "log2 S", "{:.2f}"),
+    ("flushed", "flushed", "{:.3%}"),
+    ("held_out_vs_fp32", "vs fp32", "{:.4f}"),
+    ("held_out_vs_torch", "vs torch", "{:.4f}"),
+    ("clean_time_vs_torch", "time", "{:.3f}"),
+    ("outlier_gap", "gap", "{:.0f}"),
+]
+
+
+def table(name: str, steps: int, rows: dict[str, dict[str, Any]]) -> str:
+    head = f"{'':18}" + "".join(f"{title:>10}" for _, title, _ in COLUMNS)
+    lines = [f"{name}: {steps} batches", head]
+    for arm, row in rows.items():
+        cells = "".join(
+            f"{'-' if row[key] is None else fmt.format(row[key]):>10}" for key, _, fmt in COLUMNS
+        )
+        lines.append(f"{arm:18}{cells}")
+    return "\n".join(lines)
+
+
+def checks(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
+    """The issue's bar, per workload: which claims hold."""
+    torch_row, ours, rule = rows["torch"], rows["headroom+attempts"], rows["torch+attempts"]
+    gap = rule["outlier_gap"]
+    return [
+        ("headroom+attempts loses no ordinary batch", ours["lost"] == 0),
+        (
+            "headroom+attempts mean log2 scale >= torch's - 0.5",
+            ours["mean_log2_scale"] >= torch_row["mean_log2_scale"] - 0.5,
+        ),
+        (
+            "headroom+attempts flushes no more than torch (+0.1 point)",
+            ours["flushed"] <= torch_row["flushed"] + 0.001,
+        ),
+        (
+            "headroom+attempts held-out within 1% of torch",
+            abs(ours["held_out_vs_torch"] - 1) <= 0.01,
+        ),
+        ("torch+attempts loses no ordinary batch", rule["lost"] == 0),
+        (
+            "torch+attempts after an outlier <= 1 binade below torch 20 later",
+            gap is None or gap <= 1,
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--probe-every", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="30 batches per workload")
+    parser.add_argument("--workloads", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--json", default=None, help="write the numbers here")
+    parser.add_argument("--margin", type=float, default=None, help="HeadroomPolicy's margin")
+    parser.add_argument("--first-margin", type=float, default=None, help="and first_margin")
+    args = parser.parse_args(argv)
+    HEADROOM.clear()
+    for name in ("margin", "first_margin"):
+        if getattr(args, name) is not None:
+            HEADROOM[name] = getattr(args, name)
+    torch.set_num_threads(1)
+    steps = 30 if args.quick else args.steps
+    chosen = set(args.workloads.split(",")) if args.workloads else None
+    results: dict[str, Any] = {}
+    for work in workloads(steps, chosen):
+        start = time.perf_counter()
+        rows = summarize(work, run_workload(work, args.probe_every))
+        seconds = time.perf_counter() - start
+        print(table(work.name, steps, rows))
+        for claim, met in checks(rows):
+            print(f"  {'yes' if met else 'NO ':3} {claim}")
+        print(f"  ({seconds:.0f} s)\n", flush=True)
+        results[work.name] = {"rows": rows, "checks": dict(checks(rows))}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Replay that does not cost the run its scale (issue 37): a warm-up far above the ceiling loses
+no batch, an outlier costs one backoff as it does without the loop, and the search below a
+guessed scale is the one ``ampscaler.replay`` documents."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ampscaler
+from ampscaler.hooks import MeterHook
+from ampscaler.replay import RETRY_FLOOR, binades_above, retry_scale
+
+INF = float("inf")
+
+
+def _train(
+    scaler: ampscaler.GradScaler,
+    batches: int,
+    overflows: Callable[[int, float], bool],
+    max_attempts: int = 3,
+) -> tuple[list[list[float]], list[bool]]:
+    """Train a linear model; ``overflows(batch, scale)`` says whether a try overflows. Returns
+    the scales of every try, per batch, and whether each batch was lost (last try skipped)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scales: list[list[float]] = []
+    lost: list[bool] = []
+    for batch in range(batches):
+        tries: list[float] = []
+        for _ in scaler.attempts(max_attempts):
+            opt.zero_grad()
+            tries.append(scaler.get_scale())
+            loss = model(torch.ones(4, 3)).square().mean()
+            scaler.scale(loss).backward()
+            if overflows(batch, tries[-1]):
+                model.bias.grad[0] = INF  # type: ignore[index]
+            scaler.step(opt)
+            scaler.update()
+        scales.append(tries)
+        lost.append(scaler.last_step_skipped)
+    return scales, lost
+
+
+def test_a_warm_up_from_2_16_to_a_ceiling_of_2_7_loses_no_batch() -> None:
+    scaler = ampscaler.GradScaler("cpu")  # torch's defaults: 2**16, growth every 2000
+
+    scales, lost = _train(scaler, 14, lambda batch, scale: scale > 2.0**7)
+    assert not any(lost)  # before issue 37: the first three batches were lost
+    # The first batch: 2**16 and 2**15 overflow, the search's last try runs at the floor.
+    assert scales[0] == [2.0**16, 2.0**15, RETRY_FLOOR]
+    # Each batch starts at most one backoff below where the one before started ...
+    starts = [tries[0] for tries in scales]
+    assert all(b >= a / 2 for a, b in itertools.pairwise(starts))
+    # ... down to the ceiling, where one retry suffices and then none is needed.
+    assert starts[:10] == [2.0 ** (16 - i) for i in range(10)]
+    assert scales[9] == [2.0**7] and scaler.get_scale() == 2.0**7
+    assert scaler.metrics()["scaler/replays"] == 2 * 8 + 1
+
+
+def test_an_outlier_under_torchs_rule_costs_one_backoff_as_without_the_loop() -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+
+    def outlier(batch: int, scale: float) -> bool:
+        return batch == 3  # larger than any scale can hold
+
+    scales, lost = _train(scaler, 6, outlier)
+    assert lost == [False, False, False, True, False, False]
+    # The batch before stepped at 2**10: the outlier's tries back off by the policy ...
+    assert scales[3] == [2.0**10, 2.0**9, 2.0**8]
+    # ... and the run goes on one backoff below, where torch's scaler goes on after skipping it
+    # (before issue 37: 2**7, one backoff per try).
+    assert scales[4] == [2.0**9] and scaler.get_scale() == 2.0**9
+
+
+def test_a_replayed_headroom_batch_leaves_the_meter_on_the_policys_schedule() -> None:
+    scaler = ampscaler.GradScaler("cpu", policy=ampscaler.HeadroomPolicy(first_scale=2.0**10))
+    scales, lost = _train(scaler, 4, lambda batch, scale: batch == 0 and scale > 1.0)
+    assert not lost[0] and scales[0] == [2.0**10, 2.0**9, RETRY_FLOOR]
+    saved = scaler.state_dict()["headroom"]
+    # Batch 0 counts as one iteration of the schedule (its first overflow), the others one each.
+    assert saved["iteration"] == 4
+    hook = scaler._hooks.find(MeterHook)
+    assert hook is not None and hook.meter.iteration == 4  # type: ignore[attr-defined]
+
+
+@given(
+    exponent=st.integers(-20, 40),
+    mantissa=st.floats(1.0, 2.0, exclude_max=True),
+    tries_left=st.integers(1, 6),
+)
+def test_retry_scale_is_the_documented_search(
+    exponent: int, mantissa: float, tries_left: int
+) -> None:
+    failed = math.ldexp(mantissa, exponent)
+    got = retry_scale(failed, tries_left)
+    steps = math.log2(failed / got)
+    assert steps == int(steps) and steps >= 1  # failed * 2**-k, exact, at least one halving
+    distance = binades_above(failed, RETRY_FLOOR)
+    assert distance == math.ceil(math.log2(failed))
+    if distance <= 1:
+        assert got == failed / 2
+    elif tries_left == 1:
+        assert got <= RETRY_FLOOR < got * 2  # the last try: at the floor
+    else:
+        assert got > RETRY_FLOOR and steps == math.ceil(distance / 2)

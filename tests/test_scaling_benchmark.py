@@ -1,0 +1,41 @@
+"""benchmarks/scaling.py runs (its --quick mode) and its table says what the issue asks: the
+arms, the columns, and the checks per workload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_the_quick_benchmark_runs_every_arm_on_the_chosen_workloads(tmp_path: Path) -> None:
+    out = tmp_path / "scaling.json"
+    workloads = "token-sum,tiny-loss,mlp"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--quick",
+         "--workloads", workloads, "--json", str(out)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(workloads.split(","))
+    arms = {"torch", "ampscaler", "torch+attempts", "headroom", "headroom+attempts"}
+    for name, result in results.items():
+        rows = result["rows"]
+        assert arms | {"hysteresis-2"} == set(rows), name
+        for row in rows.values():
+            assert {"lost", "lost_outliers", "skips", "extra_passes", "mean_log2_scale"} <= set(row)
+            assert {"flushed", "held_out_vs_fp32", "clean_time_vs_torch"} <= set(row)
+        # ampscaler's defaults are torch's (the script exits otherwise) ...
+        assert rows["ampscaler"]["mean_log2_scale"] == rows["torch"]["mean_log2_scale"]
+    # ... and the warm-up from 2**16 loses no batch with attempts() (torch's rule alone does).
+    warm_up = results["token-sum"]["rows"]
+    assert warm_up["torch"]["lost"] > 0 and warm_up["torch+attempts"]["lost"] == 0
+    # The loss that flushes at scale 1 trains under HeadroomPolicy (it stalled at 1 before).
+    tiny = results["tiny-loss"]["rows"]["headroom+attempts"]
+    assert tiny["mean_log2_scale"] > 8 and abs(tiny["held_out_vs_torch"] - 1) < 0.1
