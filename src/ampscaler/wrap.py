@@ -34,6 +34,7 @@ for that moment.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -131,11 +132,12 @@ class LoopFree:
         original = getattr(optimizer, name)
         active = [True]
 
-        def patched(*args: Any, **kwargs: Any) -> Any:
+        def call(bound_to: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if not active[0]:
                 return original(*args, **kwargs)
-            return method(optimizer, original, *args, **kwargs)
+            return method(bound_to, original, *args, **kwargs)
 
+        patched = types.MethodType(call, optimizer)  # a bound method, as schedulers expect
         setattr(optimizer, name, patched)
 
         def remove() -> None:
