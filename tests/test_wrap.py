@@ -17,7 +17,7 @@ from wrap_loops import FAULTS, Mlp, TinyTransformer, adamw, batch, side_by_side
 def test_wrapped_loop_is_torchs_loop_bit_for_bit(make_model: type, accumulation: int) -> None:
     theirs, ours = side_by_side(make_model, accumulation=accumulation)
     assert ours.same_as(theirs)
-    backoffs = sum(b < a for a, b in zip(theirs.scales, theirs.scales[1:]))
+    backoffs = sum(b < a for a, b in zip(theirs.scales, theirs.scales[1:], strict=False))
     assert 3 <= backoffs <= len(FAULTS)  # inf and NaN skip; a huge input where S is high
     assert ours.stats.steps == 16 and ours.stats.skipped == backoffs
 
@@ -32,7 +32,7 @@ def test_engine_that_skips_the_step_itself_backs_the_scale_off() -> None:
 
 def test_several_optimizers_and_a_fused_one() -> None:
     def two(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-        first, second = list(model.children())[0], list(model.children())[2]
+        first, _, second = model.children()
         return [
             torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9),
             torch.optim.Adam(second.parameters(), lr=1e-2, fused=True),
@@ -52,7 +52,7 @@ def test_one_clip_over_several_optimizers_checks_after_the_clip() -> None:
     the clip: both skip, and the parameters stay finite."""
 
     def two(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-        first, second = list(model.children())[0], list(model.children())[2]
+        first, _, second = model.children()
         return [torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters())]
 
     theirs, ours = side_by_side(Mlp, two, steps=4, faults={2: "inf"})
@@ -148,7 +148,7 @@ def test_a_loss_computed_in_fp16_inside_the_model_is_refused() -> None:
 
 
 def test_gradients_that_bypass_the_outputs_are_refused_at_the_step() -> None:
-    model, opt, scaler = _wrapped_mlp()
+    model, opt, _ = _wrapped_mlp()
     model[0].weight.sum().backward()  # a loss that never used the model's outputs
     grad = model[0].weight.grad.clone()  # type: ignore[union-attr]
     with pytest.raises(ampscaler.ScalerUsageError, match="never scaled"):
@@ -160,7 +160,7 @@ def test_a_parameter_used_in_the_loss_directly_gets_its_term_divided_by_the_scal
     """The documented limit (docs/loop-free.md): a term of the loss that uses a parameter
     outside the model's outputs (an L2 penalty on a tied weight) reaches its gradient
     unscaled, and the scaler divides it by the scale anyway."""
-    model, opt, scaler = _wrapped_mlp()
+    model, _, scaler = _wrapped_mlp()
     weight = model[2].weight
     x, _ = batch(0, 0, 0, None)
     with torch.autocast("cpu", dtype=torch.float16):
