@@ -1,0 +1,37 @@
+"""``scaler.wrap()`` on 2 gloo ranks (``wrap_scenarios``): DDP, FSDP2 with float16 parameters
+and an engine shaped like verl's train bit for bit as the same loops with torch's scaler
+written in, on both ranks, with faults on one rank only."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import multirank
+import wrap_scenarios
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+
+def _assert_same_everywhere(name: str, settings: int) -> None:
+    results = multirank.spawn(2, [name])
+    per_rank = [result[name] for result in results]
+    assert len(per_rank[0]) == settings
+    for setting, (theirs, ours) in per_rank[0].items():
+        assert ours.same_as(theirs), setting
+        assert ours.stats.skipped == len(wrap_scenarios.FAULTS), setting  # rank 1's faults
+        assert ours.same_as(per_rank[1][setting][1]), setting  # both ranks alike
+
+
+def test_ddp_with_and_without_no_sync() -> None:
+    _assert_same_everywhere("wrap_ddp", settings=3)
+
+
+def test_fsdp2_with_fp16_parameters_and_gradient_sync_off() -> None:
+    _assert_same_everywhere("wrap_fsdp2", settings=2)
+
+
+def test_engine_shaped_loop_matches_sharded_grad_scaler_written_in() -> None:
+    _assert_same_everywhere("wrap_engine", settings=1)

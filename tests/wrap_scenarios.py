@@ -1,0 +1,117 @@
+"""The wrapped fp32-style loop on 2 gloo ranks, beside the same loop with torch's scaler written
+in, in every rank: DDP (with and without ``no_sync()``), FSDP2 with float16 parameters (with
+and without ``set_requires_gradient_sync(False)``), and the shape of verl's FSDP engine.
+
+Importing this module adds the scenarios ``wrap_ddp``, ``wrap_fsdp2`` and ``wrap_engine`` to
+``multirank.SCENARIOS``; each returns ``{setting: (torch's run, the wrapped run)}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ampscaler
+import multirank
+from wrap_loops import SCALER_KWARGS, Mlp, Run, adamw, side_by_side
+
+STEPS = 8
+#: faults in rank 1's batches only: every rank must skip with it
+FAULTS = {1: "huge", 3: "inf", 5: "nan", 6: "huge"}
+ACCUMULATIONS = (1, 3)
+
+
+def _ddp_setting(rank: int, accumulation: int, no_sync: bool) -> tuple[Run, Run]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    models: list[DistributedDataParallel] = []
+
+    def make_model() -> torch.nn.Module:
+        models.append(DistributedDataParallel(Mlp()))
+        return models[-1]
+
+    def sync(last: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if last or not no_sync else models[-1].no_sync()
+
+    return side_by_side(
+        make_model, steps=STEPS, accumulation=accumulation, faults=FAULTS, fault_ranks=(1,),
+        rank=rank, sync=sync,
+    )  # fmt: skip
+
+
+def _ddp(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
+    return {
+        f"accumulation={accumulation} no_sync={no_sync}": _ddp_setting(rank, accumulation, no_sync)
+        for accumulation in ACCUMULATIONS
+        for no_sync in ((False, True) if accumulation > 1 else (False,))
+    }
+
+
+def _fsdp2(world: int, sharded: list[torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """A maker of the MLP sharded as verl shards its actor: each layer, then the root, with
+    float16 parameters and float32 reduction (``sharded`` collects what it made)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+
+    def make() -> torch.nn.Module:
+        model = Mlp()
+        fully_shard(model[0], mesh=mesh, mp_policy=policy)
+        fully_shard(model[2], mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        sharded.append(model)
+        return model
+
+    return make
+
+
+def _gradient_sync(sharded: list[torch.nn.Module]) -> Callable[[bool], Iterator[None]]:
+    @contextlib.contextmanager
+    def sync(last: bool) -> Iterator[None]:
+        sharded[-1].set_requires_gradient_sync(last)  # type: ignore[operator]
+        yield
+
+    return sync
+
+
+def _sharded_scalers() -> dict[str, Any]:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return {
+        "make_torch_scaler": lambda: ShardedGradScaler("cpu", **SCALER_KWARGS),
+        "make_scaler": lambda: ampscaler.GradScaler(
+            "cpu", **SCALER_KWARGS, process_group=dist.group.WORLD
+        ),
+    }
+
+
+def _fsdp2_runs(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
+    runs = {}
+    for accumulation in ACCUMULATIONS:
+        sharded: list[torch.nn.Module] = []
+        runs[f"accumulation={accumulation}"] = side_by_side(
+            _fsdp2(world, sharded), adamw, **_sharded_scalers(), steps=STEPS,
+            accumulation=accumulation, faults=FAULTS, fault_ranks=(1,), rank=rank,
+            sync=_gradient_sync(sharded),
+        )  # fmt: skip
+    return runs
+
+
+def _engine(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
+    """verl's FSDP engine's shape: micro-batches, clipping, no ``optimizer.step()`` on a
+    non-finite norm, an LR scheduler; torch's ``ShardedGradScaler`` written in, or wrap."""
+    sharded: list[torch.nn.Module] = []
+    runs = side_by_side(
+        _fsdp2(world, sharded), adamw, **_sharded_scalers(), steps=STEPS, accumulation=2,
+        faults=FAULTS, fault_ranks=(1,), rank=rank, engine=True,
+    )  # fmt: skip
+    return {"engine": runs}
+
+
+multirank.SCENARIOS.update(wrap_ddp=_ddp, wrap_fsdp2=_fsdp2_runs, wrap_engine=_engine)
