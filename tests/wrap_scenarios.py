@@ -51,14 +51,16 @@ def _ddp(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
     }
 
 
-def _fsdp2(world: int, sharded: list[torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+def _fsdp2(
+    world: int, sharded: list[torch.nn.Module], reduce_dtype: torch.dtype = torch.float32
+) -> Callable[[], torch.nn.Module]:
     """A maker of the MLP sharded as verl shards its actor: each layer, then the root, with
-    float16 parameters and float32 reduction (``sharded`` collects what it made)."""
+    float16 parameters and ``reduce_dtype`` reduction (``sharded`` collects what it made)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=reduce_dtype)
 
     def make() -> torch.nn.Module:
         model = Mlp()
@@ -80,26 +82,37 @@ def _gradient_sync(sharded: list[torch.nn.Module]) -> Callable[[bool], Iterator[
     return sync
 
 
-def _sharded_scalers() -> dict[str, Any]:
+def _sharded_scalers(with_group: bool = True) -> dict[str, Any]:
+    """torch's ``ShardedGradScaler`` for the written-in loop; ampscaler's ``GradScaler``
+    (agreeing over the default group, or leaving it to DTensor's check) for the wrapped one."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+    group = dist.group.WORLD if with_group else None
     return {
         "make_torch_scaler": lambda: ShardedGradScaler("cpu", **SCALER_KWARGS),
-        "make_scaler": lambda: ampscaler.GradScaler(
-            "cpu", **SCALER_KWARGS, process_group=dist.group.WORLD
-        ),
+        "make_scaler": lambda: ampscaler.GradScaler("cpu", **SCALER_KWARGS, process_group=group),
     }
 
 
+def _fsdp2_setting(
+    rank: int, world: int, accumulation: int, with_group: bool, reduce_dtype: torch.dtype
+) -> tuple[Run, Run]:
+    sharded: list[torch.nn.Module] = []
+    return side_by_side(
+        _fsdp2(world, sharded, reduce_dtype), adamw, **_sharded_scalers(with_group), steps=STEPS,
+        accumulation=accumulation, faults=FAULTS, fault_ranks=(1,), rank=rank,
+        sync=_gradient_sync(sharded),
+    )  # fmt: skip
+
+
 def _fsdp2_runs(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
-    runs = {}
-    for accumulation in ACCUMULATIONS:
-        sharded: list[torch.nn.Module] = []
-        runs[f"accumulation={accumulation}"] = side_by_side(
-            _fsdp2(world, sharded), adamw, **_sharded_scalers(), steps=STEPS,
-            accumulation=accumulation, faults=FAULTS, fault_ranks=(1,), rank=rank,
-            sync=_gradient_sync(sharded),
-        )  # fmt: skip
+    fp32 = torch.float32
+    runs = {
+        f"accumulation={accumulation}": _fsdp2_setting(rank, world, accumulation, True, fp32)
+        for accumulation in ACCUMULATIONS
+    }
+    runs["no process group"] = _fsdp2_setting(rank, world, 1, False, fp32)
+    runs["float16 reduction"] = _fsdp2_setting(rank, world, 3, True, torch.float16)
     return runs
 
 
