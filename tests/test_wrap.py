@@ -9,7 +9,16 @@ import torch
 
 import ampscaler
 from ampscaler.wrap import HalfLossError
-from wrap_loops import FAULTS, Mlp, TinyTransformer, adamw, batch, side_by_side
+from wrap_loops import (
+    FAULTS,
+    SCALER_KWARGS,
+    Mlp,
+    TinyTransformer,
+    adamw,
+    batch,
+    side_by_side,
+    train,
+)
 
 
 @pytest.mark.parametrize("accumulation", [1, 3])
@@ -174,3 +183,61 @@ def test_disabled_scaler_wraps_nothing() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ampscaler.GradScaler("cpu", enabled=False).wrap(model, opt)
     assert "step" not in vars(opt) and model(torch.ones(1, 8)).dtype == torch.float32
+
+
+def test_checkpoints_sinks_and_the_skip_limit_are_the_scalers() -> None:
+    """A wrapped run saved and resumed mid-way (model, optimizer, scaler state dicts) ends
+    where the uninterrupted one does; step records reach the scaler's sinks; the skip limit
+    raises from ``optimizer.step()``."""
+
+    def fresh() -> tuple[Mlp, list[torch.optim.Optimizer], ampscaler.GradScaler]:
+        torch.manual_seed(0)
+        model = Mlp()
+        scaler = ampscaler.GradScaler("cpu", **SCALER_KWARGS)
+        scaler.add_sink(ampscaler.StepHistory(100))
+        return model, adamw(model), scaler
+
+    model, opts, scaler = fresh()
+    whole = train(model, opts, scaler, wrapped=True, steps=12)
+    assert [record.skipped for record in scaler.history].count(True) == scaler.stats.skipped > 0
+
+    model, opts, scaler = fresh()
+    first = train(model, opts, scaler, wrapped=True, steps=6)
+    saved = [model.state_dict(), opts[0].state_dict(), scaler.state_dict()]
+    scaler.unwrap()
+    model, opts, scaler = fresh()
+    model.load_state_dict(saved[0])
+    opts[0].load_state_dict(saved[1])
+    scaler.load_state_dict(saved[2])
+    rest = train(model, opts, scaler, wrapped=True, steps=12, start=6)
+    assert first.scales[:-1] + rest.scales == whole.scales
+    assert all(torch.equal(a, b) for a, b in zip(rest.params, whole.params, strict=True))
+
+    model = Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    limited = ampscaler.GradScaler("cpu", max_consecutive_skips=2)
+    limited.wrap(model, opt)
+    with pytest.raises(ampscaler.PersistentOverflowError):
+        for _ in range(3):
+            model(torch.full((2, 8), float("nan"))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert limited.stats.consecutive_skips == 2
+
+
+def test_a_headroom_policy_backs_off_on_a_nan_loss_it_cannot_see() -> None:
+    """The documented difference (docs/loop-free.md): the written-in loop hands the loss to
+    ``scale()``, and a HeadroomPolicy holds its scale on an inf/NaN loss; wrapped, the loss is
+    not seen, and the NaN it leaves in the gradients backs the scale off. (Its measurements
+    differ too: wrapped, it measures the parameters' gradients after the loop's clipping.)"""
+
+    def run(wrapped: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = Mlp()
+        scaler = ampscaler.GradScaler("cpu", policy=ampscaler.HeadroomPolicy())
+        scaler.watch(model)
+        nan_at_9 = {9: "nan"}
+        return train(model, adamw(model), scaler, wrapped=wrapped, steps=11, faults=nan_at_9).scales
+
+    written_in, wrapped = run(False), run(True)
+    assert written_in[10] == written_in[9] and wrapped[10] == wrapped[9] / 2

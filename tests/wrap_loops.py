@@ -97,6 +97,7 @@ def train(
     *,
     wrapped: bool,
     steps: int = 16,
+    start: int = 0,
     accumulation: int = 1,
     faults: Mapping[int, str] = FAULTS,
     fault_ranks: tuple[int, ...] = (0,),
@@ -104,14 +105,15 @@ def train(
     engine: bool = False,
     sync: Callable[[bool], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Run:
-    """One of the loops (module docstring). ``sync(last_micro_batch)``: a context for each
-    micro-batch's backward (DDP's ``no_sync``, FSDP2's gradient sync switch)."""
+    """One of the loops (module docstring), from step ``start`` (a resumed run) to ``steps``.
+    ``sync(last_micro_batch)``: a context for each micro-batch's backward (DDP's ``no_sync``,
+    FSDP2's gradient sync switch)."""
     if wrapped:
         scaler.wrap(model, *optimizers)
     schedulers = [torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.5) for opt in optimizers]
     params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     run = Run()
-    for step in range(steps):
+    for step in range(start, steps):
         for opt in optimizers:
             opt.zero_grad()
         run.scales.append(scaler.get_scale())
