@@ -1,9 +1,10 @@
 """The wrapped fp32-style loop on 2 gloo ranks, beside the same loop with torch's scaler written
 in, in every rank: DDP (with and without ``no_sync()``), FSDP2 with float16 parameters (with
-and without ``set_requires_gradient_sync(False)``), and the shape of verl's FSDP engine.
+and without ``set_requires_gradient_sync(False)``), FSDP1, and the shape of verl's FSDP engine.
 
-Importing this module adds the scenarios ``wrap_ddp``, ``wrap_fsdp2`` and ``wrap_engine`` to
-``multirank.SCENARIOS``; each returns ``{setting: (torch's run, the wrapped run)}``.
+Importing this module adds the scenarios ``wrap_ddp``, ``wrap_fsdp2``, ``wrap_fsdp1`` and
+``wrap_engine`` to ``multirank.SCENARIOS``; each returns
+``{setting: (torch's run, the wrapped run)}``.
 """
 
 from __future__ import annotations
@@ -116,6 +117,38 @@ def _fsdp2_runs(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
     return runs
 
 
+def _fsdp1_setting(rank: int, accumulation: int, use_orig_params: bool) -> tuple[Run, Run]:
+    """FSDP1 (flat parameters) with float16 parameters and float32 reduction; ``no_sync()``
+    for all micro-batches but the last."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    models: list[FullyShardedDataParallel] = []
+    precision = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+
+    def make_model() -> torch.nn.Module:
+        model = FullyShardedDataParallel(
+            Mlp(), device_id=torch.device("cpu"), use_orig_params=use_orig_params,
+            mixed_precision=precision,
+        )  # fmt: skip
+        models.append(model)
+        return model
+
+    def sync(last: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if last else models[-1].no_sync()
+
+    return side_by_side(
+        make_model, adamw, **_sharded_scalers(), steps=STEPS, accumulation=accumulation,
+        faults=FAULTS, fault_ranks=(1,), rank=rank, sync=sync,
+    )  # fmt: skip
+
+
+def _fsdp1(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
+    return {
+        "flat parameters": _fsdp1_setting(rank, 1, False),
+        "use_orig_params, accumulation=3": _fsdp1_setting(rank, 3, True),
+    }
+
+
 def _engine(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
     """verl's FSDP engine's shape: micro-batches, clipping, no ``optimizer.step()`` on a
     non-finite norm, an LR scheduler; torch's ``ShardedGradScaler`` written in, or wrap."""
@@ -127,4 +160,6 @@ def _engine(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
     return {"engine": runs}
 
 
-multirank.SCENARIOS.update(wrap_ddp=_ddp, wrap_fsdp2=_fsdp2_runs, wrap_engine=_engine)
+multirank.SCENARIOS.update(
+    wrap_ddp=_ddp, wrap_fsdp2=_fsdp2_runs, wrap_fsdp1=_fsdp1, wrap_engine=_engine
+)
