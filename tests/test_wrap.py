@@ -4,6 +4,8 @@ rates), and what it cannot do is refused with a clear error or shown as a docume
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import pytest
 import torch
 
@@ -241,3 +243,46 @@ def test_a_headroom_policy_backs_off_on_a_nan_loss_it_cannot_see() -> None:
 
     written_in, wrapped = run(False), run(True)
     assert written_in[10] == written_in[9] and wrapped[10] == wrapped[9] / 2
+
+
+class _Outputs(dict):  # type: ignore[type-arg]
+    """A dict subclass, as transformers' ModelOutput is."""
+
+
+class _Pair(NamedTuple):
+    main: torch.Tensor
+    extra: list[torch.Tensor]
+
+
+class _Containers(Mlp):
+    def forward(self, x: torch.Tensor) -> Any:
+        hidden = self[1](self[0](x))
+        return _Outputs(out=self[2](hidden), pair=_Pair(hidden, [hidden.sum(-1)]), ids=x.argmax(-1))
+
+
+def test_outputs_in_dicts_named_tuples_and_lists_are_scaled_once() -> None:
+    """Every output that requires grad is scaled wherever it sits; the loop's loss from
+    several of them gets the written-in loop's gradients bit for bit."""
+
+    def grads(wrapped: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _Containers()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler: Any = ampscaler.GradScaler("cpu", init_scale=2.0**12)
+        if wrapped:
+            scaler.wrap(model, opt)
+        with torch.autocast("cpu", dtype=torch.float16):
+            outputs = model(torch.randn(6, 8))
+        assert isinstance(outputs, _Outputs) and isinstance(outputs["pair"], _Pair)
+        assert outputs["ids"].dtype == torch.int64
+        loss = outputs["out"].float().square().mean() + outputs["pair"].main.float().mean()
+        loss = loss + outputs["pair"].extra[0].float().mean()
+        if wrapped:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    for ours, theirs in zip(grads(True), grads(False), strict=True):
+        assert torch.equal(ours, theirs)
