@@ -522,9 +522,10 @@ def wrap_arm(layers: int, wrapped: bool) -> Callable[[Counter, int], None]:
 
 def wrapped_loop(layers: int) -> Row:
     counts = [count_arm(wrap_arm(layers, wrapped)) for wrapped in (False, True)]
-    # Per micro-batch the forward's view, 1/S and the gradients x 1/S, and from the second on
-    # the gradients x S; at the step the gradients x S (the multiplies: per device and dtype);
-    # the output's gradient x S replaces torch's backward through loss x S.
+    # Per micro-batch 1/S and the gradients x 1/S, and from the second on the gradients x S;
+    # at the step the gradients x S (the multiplies: per device and dtype). The output's
+    # float32 copy replaces the loop's .float(), its gradient x S torch's backward through
+    # loss x S; an output already float32 would cost one copy more per micro-batch.
     allowance = 3 * WRAP_MICRO_BATCHES
     return Row(
         f"wrap: {2 * layers} tensors", "GradScaler", counts[0], counts[1],

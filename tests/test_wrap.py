@@ -286,3 +286,34 @@ def test_outputs_in_dicts_named_tuples_and_lists_are_scaled_once() -> None:
 
     for ours, theirs in zip(grads(True), grads(False), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_the_loop_may_modify_outputs_in_place() -> None:
+    """verl divides a view of the logits by the temperature in place; the wrapped outputs are
+    new tensors, not views, so that works, with the written-in loop's gradients."""
+
+    def grads(wrapped: bool, make_model: type[torch.nn.Module]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampscaler.GradScaler("cpu", init_scale=2.0**12)
+        if wrapped:
+            scaler.wrap(model, opt)
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(torch.randn(6, 8)).float().squeeze(0)
+        logits.div_(0.7)  # on a view of the output (wrapped: .float() returned the output)
+        loss = torch.log_softmax(logits, -1)[:, 0].mean()
+        if wrapped:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    class Float32Out(Mlp):  # the model upcasts its own output, as some LLMs do
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).float()
+
+    for make_model in (Mlp, Float32Out):
+        for ours, theirs in zip(grads(True, make_model), grads(False, make_model), strict=True):
+            assert torch.equal(ours, theirs)

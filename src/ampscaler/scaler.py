@@ -1230,8 +1230,8 @@ class GradScaler(TorchPrivateNames):
         next ``zero_grad()``, so the scale backs off. State, policy, guards, sinks,
         ``metrics()`` and checkpoints are this scaler's, as in the written-in loop, and with a
         power-of-two scale (the default policy's) the run is that loop's bit for bit. Works with
-        DDP (wrap the DDP module), FSDP2 (wrap the root after ``fully_shard``) and FSDP1. The loop must
-        not call ``scale()``/``step()``/``update()`` itself. Disabled: does nothing.
+        DDP (wrap the DDP module), FSDP2 (wrap the root after ``fully_shard``) and FSDP1. The
+        loop must not call ``scale()``/``step()``/``update()`` itself. Disabled: does nothing.
 
         Host syncs: those of the written-in loop (a plain optimizer's step decision reads one
         flag); the backward hooks and the multiplications by the scale read nothing.

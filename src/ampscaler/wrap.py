@@ -6,8 +6,8 @@ same loop with ``scale()``/``unscale_()``/``step()``/``update()`` written in, fo
 scale (the default policy keeps one)::
 
     forward     a forward hook passes each model output that requires grad through an identity
-                whose backward multiplies the gradient by S (fp16/bf16 outputs come back fp32, so
-                the x S happens before the gradient enters half precision)
+                whose backward multiplies the gradient by S (a copy: fp16/bf16 outputs come back
+                fp32, so the x S happens before the gradient enters half precision)
     backward    at its first scaled output: the .grad that earlier backwards left true is
                 multiplied by S, so this backward accumulates onto S x (what torch's loop holds);
                 at its end (after DDP's and FSDP's own end-of-backward work): .grad x 1/S, one
@@ -25,7 +25,8 @@ between micro-batches), and a scaled sum that overflows where its parts did not.
 
 Ops added per iteration do not grow with the parameters or the micro-batches beyond a constant
 per device and dtype: per backward two foreach multiplies (the first backward of an iteration,
-whose gradients start empty, one); per step one; per output one ``view`` and one multiply.
+whose gradients start empty, one); per step one; per output one copy (the float32 copy
+a loss computed from ``.float()`` outputs makes anyway) and one multiply.
 
 ``torch.autograd.Variable._execution_engine.queue_callback`` is the one private name here: it
 is how DDP and FSDP themselves run code at the end of a backward, and torch has no public hook
@@ -60,16 +61,18 @@ class HalfLossError(ScalerUsageError):
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """The identity forward; backward multiplies the gradient by the scale."""
+    """Forward: a copy of the output, in float32 if it was half precision (a new tensor, not a
+    view, so the loop may modify it in place, as verl does with ``logits.div_(temperature)``);
+    backward: the gradient x the scale, cast back to the output's dtype."""
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, loop: LoopFree) -> torch.Tensor:
-        ctx.loop = loop
-        return output.view_as(output)
+        ctx.loop, ctx.dtype = loop, output.dtype
+        return output.to(torch.float32 if output.dtype in _HALF else output.dtype, copy=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.loop.scaled_gradient(grad), None
+        return ctx.loop.scaled_gradient(grad).to(ctx.dtype), None
 
 
 def _map_tensors(value: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -164,15 +167,13 @@ class LoopFree:
     def _scaled_output(self, output: torch.Tensor) -> torch.Tensor:
         if not (output.requires_grad and output.is_floating_point()):
             return output
-        if output.dtype in _HALF:
-            if output.dim() == 0:
-                raise HalfLossError(
-                    f"The wrapped model returned a 0-dim {output.dtype} tensor that requires "
-                    "grad: a loss computed in half precision, whose backward would run "
-                    "unscaled in half precision. Compute the loss in float32: outside "
-                    "torch.autocast, or from outputs cast with .float()."
-                )
-            output = output.float()
+        if output.dtype in _HALF and output.dim() == 0:
+            raise HalfLossError(
+                f"The wrapped model returned a 0-dim {output.dtype} tensor that requires grad: "
+                "a loss computed in half precision, whose backward would run unscaled in half "
+                "precision. Compute the loss in float32: outside torch.autocast, or from "
+                "outputs cast with .float()."
+            )
         return _ScaleGrad.apply(output, self)  # type: ignore[no-untyped-call,no-any-return]
 
     def scaled_gradient(self, grad: torch.Tensor) -> torch.Tensor:
