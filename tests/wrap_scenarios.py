@@ -149,13 +149,25 @@ def _fsdp1(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
     }
 
 
+def _decay_groups(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """AdamW with weight decay on the matrices only: two parameter groups, each spanning
+    both FSDP modules, as engines build it."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+    ]
+    return [torch.optim.AdamW(groups, lr=1e-2)]
+
+
 def _engine(rank: int, world: int) -> dict[str, tuple[Run, Run]]:
     """verl's FSDP engine's shape: micro-batches, clipping, no ``optimizer.step()`` on a
-    non-finite norm, an LR scheduler; torch's ``ShardedGradScaler`` written in, or wrap."""
+    non-finite norm, an LR scheduler, parameter groups; torch's ``ShardedGradScaler`` written
+    in, or wrap."""
     sharded: list[torch.nn.Module] = []
     runs = side_by_side(
-        _fsdp2(world, sharded), adamw, **_sharded_scalers(), steps=STEPS, accumulation=2,
-        faults=FAULTS, fault_ranks=(1,), rank=rank, engine=True,
+        _fsdp2(world, sharded), _decay_groups, **_sharded_scalers(), steps=STEPS,
+        accumulation=2, faults=FAULTS, fault_ranks=(1,), rank=rank, engine=True,
     )  # fmt: skip
     return {"engine": runs}
 
