@@ -85,7 +85,7 @@ def test_unwatched_parameters_are_named_by_position_and_prefixes_keep_models_apa
     scaler.update()
     renamed = GradScaler("cpu")
     renamed.watch(encoder=encoder, decoder=decoder)
-    report = localize.locate_overflow([optimizer], renamed._monitor.names, step=0)
+    report = localize.locate_overflow([optimizer], renamed._observers.names, step=0)
     assert report.kinds == {"encoder.weight": "nan", "decoder.bias": "inf"}
 
 

@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 
 import ampscaler
 from ampscaler import GradScaler, HeadroomPolicy, ScalePolicy
+from ampscaler.hooks import MeterHook
 from ampscaler.policy import HeadroomState
 from ampscaler.policy.meter import NOT_MEASURED, HeadroomMeter
 from headroom_reference import FP16_MAX, HeadroomRef
@@ -514,7 +515,8 @@ def test_a_watched_model_still_deep_copies_and_saves_and_its_copy_is_not_tapped(
     scaler.watch(model)  # the hooks are on from the first iteration
     twin = copy.deepcopy(model)  # what an EMA or SWA wrapper does
     torch.save(model, io.BytesIO())
-    meter = scaler._meter
+    hook = scaler._hooks.find(MeterHook)
+    meter = None if hook is None else hook.meter
     if meter is not None:
         meter.start()  # as the iteration's scale() does
     with torch.autocast("cpu", dtype=torch.float16):

@@ -509,7 +509,7 @@ def test_bad_collapse_watch_arguments_are_named() -> None:
 def test_collapse_callbacks_cost_no_sync_per_step() -> None:
     scaler = ampscaler.GradScaler("cpu")
     scaler.on("collapse", lambda alert: None)
-    assert not scaler._monitor.consuming  # update() reads nothing on its account
+    assert not scaler._observers.consuming  # update() reads nothing on its account
 
 
 # ---------------------------------------------------------------- readable logs

@@ -68,7 +68,7 @@ class Run:
     norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
-    stats: Any = None
+    metrics: dict[str, float | int] = field(default_factory=dict)
 
     def same_as(self, other: Run) -> bool:
         """Bit for bit: scales, norms (NaN as NaN), learning rates and parameters."""
@@ -144,7 +144,7 @@ def train(
         opt.zero_grad()
     run.scales.append(scaler.get_scale())
     run.params = [_full(p) for p in model.parameters()]
-    run.stats = getattr(scaler, "stats", None)
+    run.metrics = scaler.metrics() if hasattr(scaler, "metrics") else {}
     return run
 
 

@@ -20,6 +20,7 @@ from .errors import (
     SinkError,
 )
 from .guards import SpikeGuard
+from .hooks import Hook
 from .iteration import OptState
 from .master import MasterWeightOptimizer
 from .observe.collapse import CollapseAlert, CollapseWatch
@@ -41,6 +42,7 @@ __all__ = [
     "GradScaler",
     "GradientProbe",
     "HeadroomPolicy",
+    "Hook",
     "InvalidConfigError",
     "InvalidStateDictError",
     "JsonlSink",

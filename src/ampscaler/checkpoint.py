@@ -2,8 +2,8 @@
 
 A state dict holds torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
 ``growth_interval``, ``_growth_tracker``) and ampscaler's own: ``policy`` (the policy's kind)
-and what the policy saves of itself (:meth:`Policy.checkpoint_entries
-<ampscaler.Policy.checkpoint_entries>`: for :class:`~ampscaler.ScalePolicy` the rest of the rule,
+and what the policy saves of itself (:func:`~ampscaler.policy.derived.checkpoint_entries`:
+for :class:`~ampscaler.ScalePolicy` the rest of the rule,
 ``hysteresis``, ``min_scale``, ``max_scale``, ``dynamic``, and the hysteresis budget
 ``_hysteresis_tracker``; for :class:`~ampscaler.HeadroomPolicy` also a ``headroom`` section with
 its settings and measurements), ``max_consecutive_skips``, the counters (``stats``) and the
@@ -23,7 +23,7 @@ Example:
     >>> from ampscaler.policy import ScalePolicy
     >>> from ampscaler.state import HostState
     >>> saved = to_state_dict(
-    ...     ScalePolicy(hysteresis=2), None, HostState(1024.0, 3, {"hysteresis_left": 2}), "[]"
+    ...     ScalePolicy(hysteresis=2), None, HostState(1024.0, 3, {"hysteresis_left": 2}), {}
     ... )
     >>> saved["scale"], saved["_growth_tracker"], saved["hysteresis"], saved["policy"]
     (1024.0, 3, 2, 'ScalePolicy')
@@ -44,6 +44,7 @@ from .arguments import check_skip_limit
 from .errors import InvalidConfigError, InvalidStateDictError
 from .policy import LOWEST_SCALE, Policy, float32_value, policy_from_state_dict
 from .policy.base import require_int, require_number
+from .policy.derived import checkpoint_entries, policy_name, torch_rule
 from .policy.scale import INT32_MAX
 from .state import INT64_MAX, HostState, ScalerStats
 
@@ -53,19 +54,19 @@ TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_g
 
 
 def to_state_dict(
-    policy: Policy, limit: int | None, state: HostState, guards: str
+    policy: Policy, limit: int | None, state: HostState, hooks: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The state dict of a scaler with ``policy``, skip ``limit``, ``state`` (its own values
-    complete) and the guards' state ``guards``."""
+    complete) and what its hooks save (``guards``)."""
     return {
         "scale": state.scale,
         "_growth_tracker": state.growth_tracker,
-        **policy.torch_rule()._asdict(),
-        "policy": policy.kind,
-        **policy.checkpoint_entries(state.own),
+        **torch_rule(policy)._asdict(),
+        "policy": policy_name(policy),
+        **checkpoint_entries(policy, state.own),
         "max_consecutive_skips": limit,
         "stats": state.stats.as_dict(),
-        "guards": guards,
+        **hooks,
     }
 
 
@@ -144,7 +145,7 @@ def _trial_state(policy: Policy, host: HostState) -> None:
         policy.initial_state(host.scale, torch.device("cpu"), host.values())
     except (RuntimeError, ValueError, TypeError, OverflowError) as error:
         raise InvalidConfigError(
-            f"the saved state does not fit {policy.kind}'s state tensors ({error}); "
+            f"the saved state does not fit {policy_name(policy)}'s state tensors ({error}); "
             f"saved values: {dict(host.values())!r:.200}."
         ) from error
 

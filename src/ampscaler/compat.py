@@ -42,6 +42,7 @@ from .errors import ScalerUsageError
 from .grads.check import combined_flag, unscale_per_device_
 from .grads.collect import collect
 from .iteration import Iteration
+from .policy.derived import torch_rule
 from .state import ScalerState
 
 __all__ = ["TorchPrivateNames"]
@@ -91,7 +92,7 @@ class TorchPrivateNames:
 
     @property
     def _growth_factor(self) -> float:
-        return self._state.policy.torch_rule().growth_factor
+        return torch_rule(self._state.policy).growth_factor
 
     @_growth_factor.setter
     def _growth_factor(self, value: float) -> None:
@@ -99,7 +100,7 @@ class TorchPrivateNames:
 
     @property
     def _backoff_factor(self) -> float:
-        return self._state.policy.torch_rule().backoff_factor
+        return torch_rule(self._state.policy).backoff_factor
 
     @_backoff_factor.setter
     def _backoff_factor(self, value: float) -> None:
@@ -107,7 +108,7 @@ class TorchPrivateNames:
 
     @property
     def _growth_interval(self) -> int:
-        return self._state.policy.torch_rule().growth_interval
+        return torch_rule(self._state.policy).growth_interval
 
     @_growth_interval.setter
     def _growth_interval(self, value: int) -> None:

@@ -45,13 +45,18 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from .distributed import RankAgreement
 from .errors import InvalidConfigError, InvalidStateDictError
 from .grads.collect import GradGroups
+from .hooks import Check, Hook
+
+if TYPE_CHECKING:
+    from .iteration import Iteration
+    from .state import LiveState
 
 __all__ = ["Guard", "GuardSet", "SpikeGuard", "StepMeasurements"]
 
@@ -285,8 +290,10 @@ def _grad_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
     return total.sqrt()
 
 
-class GuardSet:
-    """The guards of one scaler, and the measurements they are given.
+class GuardSet(Hook):
+    """The guards of one scaler, and the measurements they are given: one hook
+    (:mod:`ampscaler.hooks`), at the check (``after_check``: the guards' flag) and at the end
+    of the iteration (``after_update``: whether it was skipped).
 
     Example:
         >>> guards = GuardSet()
@@ -322,7 +329,36 @@ class GuardSet:
             raise InvalidConfigError(f"{guard!r} is added to this scaler already.")
         self._guards.append(guard)
         self.active = True
+        self.changed()
         return guard
+
+    def adopt(self, plugin: object) -> bool:
+        """Add ``plugin`` if it is a guard."""
+        if not isinstance(plugin, Guard):
+            return False
+        self.add(plugin)
+        return True
+
+    def release(self, plugin: object) -> bool:
+        """Remove ``plugin`` if it is one of the guards."""
+        if not any(existing is plugin for existing in self._guards):
+            return False
+        self._guards = [existing for existing in self._guards if existing is not plugin]
+        self.active = bool(self._guards)
+        self.changed()
+        return True
+
+    def save(self) -> dict[str, Any]:
+        """``guards``: :meth:`state_dict`."""
+        return {"guards": self.state_dict()}
+
+    def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None] | None:
+        """The guards' part of a state dict (``guards``), when it has one."""
+        return self.prepare_load_text(state_dict["guards"]) if "guards" in state_dict else None
+
+    def moments(self) -> list[str]:
+        """Due at the check and the update while it holds a guard; never when empty."""
+        return ["after_check", "after_update"] if self.active else []
 
     def check(
         self,
@@ -358,6 +394,22 @@ class GuardSet:
             flag = flag | other
         return flag.to(torch.float32)
 
+    def after_check(self, check: Check) -> torch.Tensor:
+        """The guards' flag for the optimizer just checked."""
+        return self.check(
+            check.record.optimizer,
+            check.groups,
+            check.unscaled_by,
+            check.iteration.loss(),
+            check.agreement,
+        )
+
+    def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
+        """Tell the guards whether the iteration was skipped."""
+        found_inf, spiked = iteration.found_inf, iteration.spiked
+        if found_inf is not None and spiked is not None:
+            self.end_iteration((found_inf + spiked) > 0)
+
     def end_iteration(self, skipped: torch.Tensor) -> None:
         """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
         for guard in self._guards:
@@ -369,7 +421,7 @@ class GuardSet:
         ``torch.distributed.checkpoint`` loads into a layout it is given)."""
         return json.dumps([_guard_state(guard) for guard in self._guards])
 
-    def prepare_load(self, text: object) -> Callable[[], None]:
+    def prepare_load_text(self, text: object) -> Callable[[], None]:
         """Validate what :meth:`state_dict` saved for the guards added now, in order; returns
         the function that restores it (nothing changes before it is called, so a scaler can
         validate all of a checkpoint before it loads any of it).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -145,6 +145,10 @@ class OptimizerRecord:
     # found_inf > 0, when unscale_() already read it (None: not read yet).
     known_overflow: bool | None = None
     outcome: StepOutcome | None = None  # set by step()
+    # Where a skip known on the host came from (set before the hooks hear of it).
+    origin: SkipOrigin | None = None
+    # Whether the hooks heard of this optimizer's overflow already (at unscale_()).
+    reported: bool = False
 
 
 def flag_sum(flags: list[torch.Tensor]) -> torch.Tensor | None:
@@ -183,6 +187,12 @@ class Iteration:
         new_scale: after ``update()``: the live scale (read only by consumers of records).
         attempt: which attempt at its batch this iteration is (0: the first; see
             :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>`).
+        measured: what a measuring policy's meter measured for the update (``None``: not
+            measured).
+        by_policy: whether ``update()`` moves the scale by the policy (``False`` for
+            ``update(new_scale)``).
+        notes: what hooks derived from the iteration, by hook (an overflow report, a trace):
+            kept with it, dropped with it.
     """
 
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
@@ -196,6 +206,9 @@ class Iteration:
     new_scale: torch.Tensor | None = None
     attempt: int = 0
     losses_summed: bool = False  # a long accumulation's losses were summed into one
+    measured: torch.Tensor | None = None
+    by_policy: bool = True
+    notes: dict[str, Any] = field(default_factory=dict)
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
@@ -293,10 +306,13 @@ class Iteration:
         flags = [found, self.spiked, self.cause_flag()]
         return torch.stack([torch.zeros_like(found) if f is None else f.to(found) for f in flags])
 
-    def checked_flags(self) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None]:
+    def checked_flags(
+        self,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
         """The inf flags of the optimizers that were checked, their sum (> 0 iff any
-        overflowed; ``None`` for none), and whether any overflowed where the host knows it
-        (:meth:`overflow_known`). No host sync."""
+        overflowed; ``None`` for none), whether any overflowed where the host knows it
+        (:meth:`overflow_known`), and the guards' flags summed (``None``: no guard said
+        anything). No host sync."""
         flags = []
         total = None
         for record in self.records.values():
@@ -304,7 +320,7 @@ class Iteration:
             if flag is not None:
                 flags.append(flag)
                 total = flag if total is None else total + flag
-        return flags, total, self.overflow_known()
+        return flags, total, self.overflow_known(), flag_sum(self.spikes())
 
     def spikes(self) -> list[torch.Tensor]:
         """The guards' flags of the optimizers that had them."""

@@ -22,6 +22,7 @@ performance routes (``flat_grads``, ``one_pass_fused``).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -53,6 +54,7 @@ from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
 from .guards import Guard, GuardSet
+from .hooks import Check, Hook, HookList, MeterHook
 from .hostcopy import read_values
 from .iteration import (
     Attempt,
@@ -62,11 +64,11 @@ from .iteration import (
     SkipOrigin,
     SkipReason,
     StepOutcome,
-    flag_sum,
 )
 from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, RecordCallback
 from .observe.sinks import Sink
-from .policy import Meter, Policy, policy_from_arguments
+from .policy import Policy, policy_from_arguments
+from .policy.derived import torch_rule
 from .precision import Bfloat16Watch
 from .state import LiveState, ScalerState, ScalerStats
 from .taps import WatchedModels
@@ -75,13 +77,23 @@ from .wrap import wrap as wrap_loop
 
 if TYPE_CHECKING:
     from .observe.localize import OverflowReport
-    from .observe.records import StepRecord
 
 __all__ = ["GradScaler", "OptState"]
 
+
+def _deprecated(old: str, new: str) -> None:
+    """Warn that ``old`` is deprecated in favour of ``new`` (removed in the next release)."""
+    warnings.warn(
+        f"GradScaler.{old} is deprecated and will be removed in the next release; use {new} "
+        "instead.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 GuardT = TypeVar("GuardT", bound=Guard)
 SinkT = TypeVar("SinkT", bound=Sink)
-AttachableT = TypeVar("AttachableT", bound=Attachable)
+AttachableT = TypeVar("AttachableT", bound=Hook | Guard | Attachable)
 
 
 def _reciprocal(live: LiveState, iteration: Iteration) -> torch.Tensor:
@@ -261,10 +273,11 @@ class GradScaler(TorchPrivateNames):
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
         self._attempt = 0  # the try at the batch in progress (attempts())
-        self._guards = GuardSet()
-        self._monitor = Monitor(enabled=self._enabled)
+        self._hooks = HookList()
+        self._hooks.add(Monitor(enabled=self._enabled))  # overflow reports, sinks, probes...
+        self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
         self._watched = WatchedModels()  # for the policy's meter
-        self._meter = self._new_meter(chosen, 0)
+        self._add_meter(chosen, 0)
         self._last_outcome: StepOutcome | None = None
         # Each optimizer's latest outcome by id, dropped with the optimizer (a weak-keyed
         # dict would make a weak reference at every step).
@@ -325,11 +338,11 @@ class GradScaler(TorchPrivateNames):
         # let_go_of_losses); a compiled step keeps it detached: one path for every step.
         kept = loss.detach() if compiling else loss
         # With a process group the loss flag is agreed at the check: kept as the losses come.
-        self._iteration.keep_loss(kept, flag=self._agreement is not None)
-        # The meter's schedule is a Python count: read under torch.compile, it would be
-        # guarded on (a recompile every iteration).
-        if self._meter is not None and not compiling:
-            self._meter.start()
+        iteration = self._iteration
+        iteration.keep_loss(kept, flag=self._agreement is not None)
+        if not compiling:  # a Python count read under torch.compile would be guarded on
+            for hook in self._hooks.at_scale:
+                hook.at_scale(iteration)
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         if self._device is None:
@@ -390,24 +403,24 @@ class GradScaler(TorchPrivateNames):
             and not getattr(optimizer, "_step_supports_amp_scaling", False)
         ):
             record.known_overflow = bool(record.found_inf.item())
-            if record.known_overflow:
-                self._monitor.note_check(self._iteration, optimizer, live.counters)
+            if record.known_overflow:  # heard now, while the gradients are as checked
+                record.reported = True
+                for hook in self._hooks.on_skip:
+                    hook.on_skip(self._iteration, record, live)
 
     def _unscale(self, record: OptimizerRecord, live: LiveState) -> None:
-        groups = self._collect(record.optimizer, live, allow_fp16=self._unscale_allows_fp16)
+        groups = self._collect(record, live, allow_fp16=self._unscale_allows_fp16)
         self._check(groups, record, live, _reciprocal(live, self._iteration))
         record.stage = OptState.UNSCALED
 
-    def _collect(
-        self, optimizer: torch.optim.Optimizer, live: LiveState, allow_fp16: bool
-    ) -> GradGroups:
+    def _collect(self, record: OptimizerRecord, live: LiveState, allow_fp16: bool) -> GradGroups:
         """``optimizer``'s gradient views (this rank's shards of them), grouped for the check."""
+        optimizer = record.optimizer
         prepare = getattr(optimizer, "prepare_grads_for_scaler", None)
         if prepare is not None:
             prepare()  # e.g. master weights: the gradients checked are the masters'
-        self._monitor.before_check(optimizer, live.scale)
-        if self._meter is not None:
-            self._meter.measure(optimizer)
+        for hook in self._hooks.before_check:
+            hook.before_check(record, live.scale)
         local = self._agreement is not None  # then this scaler reduces the flag itself
         if self._planner is not None:
             groups = self._planner.groups(optimizer, allow_fp16, local)
@@ -428,15 +441,12 @@ class GradScaler(TorchPrivateNames):
         """Multiply the gradients in ``groups`` by ``multiplier``, flag inf/NaN in ``record``,
         and start agreeing on the flag across ranks. No host sync."""
         found_inf = check_and_unscale_(groups, multiplier, live.device)
-        if self._guards.active:
-            record.spike = self._guards.check(
-                record.optimizer,
-                groups,
-                multiplier * live.scale,
-                self._iteration.loss(),
-                self._agreement,
-            )
         iteration = self._iteration
+        for hook in self._hooks.after_check:
+            check = Check(iteration, record, groups, multiplier * live.scale, live, self._agreement)
+            flag = hook.after_check(check)
+            if flag is not None:
+                record.spike = flag if record.spike is None else torch.maximum(record.spike, flag)
         if self._agreement is not None:  # the inf flag and the loss flag, agreed together
             record.local_found_inf, agreed = self._agreement.agree(
                 found_inf, iteration.local_loss_flag, live.device, self._settings
@@ -530,9 +540,11 @@ class GradScaler(TorchPrivateNames):
             skipped = bool(skip.item())
         # Only a skipped step with a guard needs to know which flag it was: a second read.
         nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
-        self._stepped(record, nonfinite, skipped and not nonfinite)
-        origin = self._skip_origin(origins) if nonfinite else None
-        self._monitor.note_step(self._iteration, record.optimizer, nonfinite, live.counters, origin)
+        self._stepped(record, nonfinite, skipped and not nonfinite, live)
+        if nonfinite and not record.reported:
+            record.origin = self._skip_origin(origins)
+            for hook in self._hooks.on_skip:
+                hook.on_skip(self._iteration, record, live)
         return None if skipped else record.optimizer.step(*args, **kwargs)
 
     def _skip_origin(self, origins: Origins | None) -> SkipOrigin:
@@ -556,7 +568,7 @@ class GradScaler(TorchPrivateNames):
         optimizer = record.optimizer
         grad_scale: torch.Tensor | None = getattr(optimizer, "grad_scale", None)
         if record.stage is OptState.READY:
-            groups = self._collect(optimizer, live, allow_fp16=True)
+            groups = self._collect(record, live, allow_fp16=True)
             one_pass = self._fused.one_pass
             if one_pass:  # watched from the first fused step on: nothing to pay before
                 self._state.watch_powers_of_two()
@@ -575,8 +587,7 @@ class GradScaler(TorchPrivateNames):
             found_inf = torch.zeros((), dtype=torch.float32, device=live.device)
         skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
         retval = step_fused(optimizer, grad_scale, skip, args, kwargs)
-        self._stepped(record, found_inf, record.spike)
-        self._monitor.note_step(self._iteration, optimizer, found_inf, live.counters)
+        self._stepped(record, found_inf, record.spike, live)
         return retval
 
     def _stepped(
@@ -584,6 +595,7 @@ class GradScaler(TorchPrivateNames):
         record: OptimizerRecord,
         found_inf: torch.Tensor | bool,
         spike: torch.Tensor | bool | None,
+        live: LiveState,
     ) -> None:
         record.stage = OptState.STEPPED
         outcome = record.outcome = self._last_outcome = StepOutcome(found_inf, spike)
@@ -591,6 +603,8 @@ class GradScaler(TorchPrivateNames):
         if key not in outcomes:  # dropped when the optimizer is, before its id is reused
             weakref.finalize(record.optimizer, outcomes.pop, key, None)
         outcomes[key] = outcome
+        for hook in self._hooks.after_step:
+            hook.after_step(self._iteration, record, live)
 
     # ------------------------------------------------------------------ update
 
@@ -626,27 +640,30 @@ class GradScaler(TorchPrivateNames):
         if not self._enabled:
             return
         compiling = torch.compiler.is_compiling()
-        if self._meter is not None and compiling:
-            _update_eagerly(self, new_scale)  # a graph break: the meter's schedule is Python
+        hooks = self._hooks
+        if hooks.before_update and compiling:
+            _update_eagerly(self, new_scale)  # a graph break: a measurement's schedule is Python
             return
         live = self._state.require("update")
         iteration = self._iteration
         if self._agreement is not None:
             self._agreement.settle()
         # found_inf > 0 iff any overflowed; overflowed: whether, where the host knows it
-        flags, found_inf, overflowed = iteration.checked_flags()
+        flags, found_inf, overflowed, spiked = iteration.checked_flags()
         if new_scale is None and found_inf is not None and compiling and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
             self._end(iteration, found_inf, live.scale, None, live, None, compiling)
             return
-        spiked = flag_sum(iteration.spikes()) if self._guards.active else None
+        if new_scale is None and found_inf is None:
+            iteration.require_checked()
+        iteration.by_policy = new_scale is None
+        for hook in hooks.before_update:
+            hook.before_update(iteration, live)
         old_scale = self._move(new_scale, found_inf, spiked, live, overflowed, compiling)
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
             self._iteration = Iteration()
             return
-        if spiked is not None:
-            self._guards.end_iteration((found_inf + spiked) > 0)
         self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
@@ -665,36 +682,18 @@ class GradScaler(TorchPrivateNames):
         ``torch.compile``); returns a copy of the scale before."""
         if new_scale is not None:
             value = new_scale_value(new_scale, self._state.policy)
-            if self._meter is not None:
-                self._meter.skip()
             return self._state.set_scale(value, found_inf, spiked)
-        if found_inf is None:
-            self._iteration.require_checked()
         assert found_inf is not None
-        measured = None if self._meter is None else self._measured(self._meter, live)
         iteration = self._iteration
-        old_scale = self._state.advance(
+        return self._state.advance(
             found_inf,
             spiked,
-            measured,
+            iteration.measured,
             iteration.cause_flag,
             overflowed,
             iteration.start_scale,
             compiling,
         )
-        if self._meter is not None:
-            self._meter.advance()
-        return old_scale
-
-    def _measured(self, meter: Meter, live: LiveState) -> torch.Tensor | None:
-        """The iteration's measurement for a measuring policy (``None``: not measured), agreed
-        across the ranks of ``process_group`` (an all_reduce of one value, on measured
-        iterations only: every rank follows the same schedule)."""
-        measured = meter.take(live.device)
-        if measured is not None and self._agreement is not None:
-            measured = self._agreement.launch(measured)
-            self._agreement.settle()
-        return measured
 
     def _defers_update(self) -> bool:
         """Whether ``update()`` under ``torch.compile`` hands its work to the next read of the
@@ -702,8 +701,7 @@ class GradScaler(TorchPrivateNames):
         guard)."""
         return (
             self._max_consecutive_skips is None
-            and not self._monitor.consuming
-            and not self._guards.active
+            and not self._hooks.after_update
             and not self._state.policy.holds_on_nonfinite_loss
         )
 
@@ -725,7 +723,13 @@ class GradScaler(TorchPrivateNames):
         self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
             self._bf16.stop()
-        self._monitor.after_update(iteration, live.counters, compiling)
+        hooks = self._hooks
+        for hook in hooks.after_update:
+            hook.after_update(iteration, live, compiling)
+        if not compiling:  # periodic hooks count eager updates only
+            hooks.due_in -= 1
+            if hooks.due_in <= 0:
+                hooks.run_periodic(iteration, live)
 
     def _check_persistent_overflow(self, live: LiveState, limit: int) -> None:
         in_a_row = int(live.counters.consecutive_skips.item())
@@ -785,7 +789,7 @@ class GradScaler(TorchPrivateNames):
             ...     scaler.step(opt)
             ...     scaler.update()
             ...     tries.append(scaler.get_scale())
-            >>> tries, scaler.stats.replays
+            >>> tries, scaler.metrics("")["replays"]
             ([128.0, 128.0], 1)
 
         Raises:
@@ -852,7 +856,7 @@ class GradScaler(TorchPrivateNames):
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` clean steps."""
-        return self._state.policy.torch_rule().growth_factor
+        return torch_rule(self._state.policy).growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (> 1)."""
@@ -860,7 +864,7 @@ class GradScaler(TorchPrivateNames):
 
     def get_backoff_factor(self) -> float:
         """The factor the scale backs off by after an overflow."""
-        return self._state.policy.torch_rule().backoff_factor
+        return torch_rule(self._state.policy).backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1))."""
@@ -868,7 +872,7 @@ class GradScaler(TorchPrivateNames):
 
     def get_growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
-        return self._state.policy.torch_rule().growth_interval
+        return torch_rule(self._state.policy).growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (in [1, 2**31 - 1])."""
@@ -920,7 +924,7 @@ class GradScaler(TorchPrivateNames):
         live = self._state.live if self._enabled else None
         finished = self._finished
         if live is None or finished is None:
-            scale, stats, cause = self.get_scale(), self.stats, 0
+            scale, stats, cause = self.get_scale(), self._state.stats(), 0
         else:
             read = read_values([live.scale, live.counters.values, finished.outcome_flags()])
             scale, stats = read[0], ScalerStats(*read[1])
@@ -942,15 +946,9 @@ class GradScaler(TorchPrivateNames):
 
     @property
     def stats(self) -> ScalerStats:
-        """Counters so far: steps, skipped, growths, backoffs, consecutive_skips, spike_skips
-        (see :class:`~ampscaler.ScalerStats`). A host sync.
-
-        Example:
-            >>> import ampscaler, torch
-            >>> stats = ampscaler.GradScaler("cpu").stats
-            >>> stats.steps, stats.skipped, stats.spike_skips
-            (0, 0, 0)
-        """
+        """Deprecated: :meth:`metrics` gives the same counters (``skips`` is ``skipped``), the
+        scale and the last skip's cause, in one host sync."""
+        _deprecated("stats", "scaler.metrics()")
         return self._state.stats()
 
     # ------------------------------------------------------------------ checkpoints
@@ -969,11 +967,9 @@ class GradScaler(TorchPrivateNames):
         """
         if not self._enabled:
             return {}
+        saved = {key: value for hook in self._hooks for key, value in hook.save().items()}
         return to_state_dict(
-            self._state.policy,
-            self._max_consecutive_skips,
-            self._state.snapshot(),
-            self._guards.state_dict(),
+            self._state.policy, self._max_consecutive_skips, self._state.snapshot(), saved
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -997,19 +993,16 @@ class GradScaler(TorchPrivateNames):
         if not self._enabled:
             return
         loaded = from_state_dict(state_dict, self._state.policy, self._max_consecutive_skips)
-        restore_guards = (
-            self._guards.prepare_load(state_dict["guards"]) if "guards" in state_dict else None
-        )
+        restores = [hook.prepare_load(state_dict) for hook in self._hooks]
         # Everything is valid: from here on nothing raises.
         self._state.load(loaded.state, loaded.policy)
         self._max_consecutive_skips = loaded.max_consecutive_skips
         self._init_scale = loaded.state.scale
         self._init_growth_tracker = loaded.state.growth_tracker
-        if self._meter is not None:
-            self._meter.detach()
-        self._meter = self._new_meter(loaded.policy, loaded.state.own.get("iteration", 0))
-        if restore_guards is not None:
-            restore_guards()
+        self._add_meter(loaded.policy, loaded.state.own.get("iteration", 0))
+        for restore in restores:
+            if restore is not None:
+                restore()
         if self._agreement is not None:
             self._agreement.note_load()  # the ranks compare what they hold at the next step
 
@@ -1018,19 +1011,22 @@ class GradScaler(TorchPrivateNames):
         given to the constructor (for a subclass whose group is known only once
         torch.distributed is initialized: :class:`~ampscaler.ShardedGradScaler`)."""
         self._agreement = RankAgreement(process_group, self._refuses_unchecked)
-        if self._meter is not None:  # measured values are agreed over the group from now on
-            self._meter.detach()
-            self._meter = self._new_meter(self._state.policy, 0)
+        if self._hooks.find(MeterHook):  # measured values are agreed over the group from now on
+            self._add_meter(self._state.policy, 0)
 
-    def _new_meter(self, policy: Policy, iteration: int) -> Meter | None:
-        """The meter ``policy`` asks for, watching the models watched so far."""
-        if not self._enabled:
-            return None
+    def _add_meter(self, policy: Policy, iteration: int) -> None:
+        """Hook in the meter ``policy`` asks for (in place of the one before), watching the
+        models watched so far."""
+        old = self._hooks.find(MeterHook)
+        if old is not None:
+            old.meter.detach()
+            self._hooks.remove(old)
         meter = policy.new_meter(iteration, agreed=self._agreement is not None)
-        if meter is not None:
-            for model, prefix in self._watched:
-                meter.watch(model, prefix)
-        return meter
+        if meter is None or not self._enabled:
+            return
+        for model, prefix in self._watched:
+            meter.watch(model, prefix)
+        self._hooks.add(MeterHook(meter, self._agreement))
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled and self._iteration.records:
@@ -1069,8 +1065,8 @@ class GradScaler(TorchPrivateNames):
                 ema.update_parameters(model)
 
         A step a guard skipped (:class:`~ampscaler.SpikeGuard`) counts as skipped;
-        :attr:`last_skip_reason` tells the two apart, :meth:`step_skipped` follows each
-        optimizer of a loop with several.
+        :attr:`last_overflow` tells the two apart (``None`` after a guard's veto),
+        :meth:`step_skipped` follows each optimizer of a loop with several.
 
         A host sync on the fused-optimizer path (it reads the inf flag handed to the kernel);
         free otherwise, since the decision already read it.
@@ -1080,21 +1076,9 @@ class GradScaler(TorchPrivateNames):
 
     @property
     def last_skip_reason(self) -> SkipReason | None:
-        """Why the most recent :meth:`step` skipped: ``"nonfinite"`` (inf/NaN gradients: the
-        scale backs off), ``"spike"`` (a guard vetoed finite gradients: the scale stays), or
-        ``None`` (it stepped, or no step yet). Same syncs as :attr:`last_step_skipped`.
-
-        Example:
-            >>> import ampscaler, torch
-            >>> model = torch.nn.Linear(2, 1)
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> scaler = ampscaler.GradScaler("cpu")
-            >>> scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
-            >>> scaler.step(opt)
-            >>> scaler.update()
-            >>> scaler.last_skip_reason, scaler.last_overflow.cause
-            ('nonfinite', 'loss')
-        """
+        """Deprecated: :attr:`last_step_skipped` says whether the step was skipped, and
+        :attr:`last_overflow` why (``None`` after a skip: a guard vetoed finite gradients)."""
+        _deprecated("last_skip_reason", "scaler.last_step_skipped and scaler.last_overflow")
         outcome = self._last_outcome
         return None if outcome is None else outcome.reason
 
@@ -1167,31 +1151,105 @@ class GradScaler(TorchPrivateNames):
             step 0: non-finite gradients at scale 65536 in 1 parameter(s): bias (nan); cause: ...
         """
         live = self._state.live
-        return self._monitor.last_overflow(self._iteration, None if live is None else live.counters)
+        in_progress = self._iteration.stepped
+        iteration = self._iteration if in_progress else self._finished
+        counters = None if live is None else live.counters
+        return self._observers.last_overflow(iteration, in_progress, counters)
 
     # ------------------------------------------------------------------ plug-ins
 
-    def add_guard(self, guard: GuardT) -> GuardT:
-        """Add a skip rule beyond inf/NaN (a :class:`~ampscaler.SpikeGuard`, or anything with
-        the :class:`~ampscaler.guards.Guard` protocol); returns it.
+    @property
+    def _observers(self) -> Monitor:
+        """The hook that holds the observers (always in the list)."""
+        return self._hooks.find(Monitor)  # type: ignore[no-any-return]
 
-        From the next ``step()`` on, each optimizer's step is also skipped when a guard says
-        so; the scale does not back off for it. The verdict stays on the device (a fused
-        optimizer's kernel gets it with the inf flag), so no host sync is added; with a guard,
-        ``update()`` under ``torch.compile`` runs in the compiled graph instead of being
-        handed to the next ``scale()``. See :mod:`ampscaler.guards`.
+    def attach(self, plugin: AttachableT) -> AttachableT:
+        """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (what
+        consumes step records, a sink, goes to :meth:`add_sink`; a callback to :meth:`on`):
+
+        - a :class:`~ampscaler.Hook` of your own (:mod:`ampscaler.hooks`: the moments of an
+          iteration it is told about);
+        - a guard, a skip rule beyond inf/NaN (a :class:`~ampscaler.SpikeGuard`, or anything
+          with the :class:`~ampscaler.guards.Guard` protocol): from the next ``step()`` on,
+          each optimizer's step is also skipped when a guard says so, and the scale does not
+          back off for it. The verdict stays on the device, so no host sync is added; with a
+          guard, ``update()`` under ``torch.compile`` runs in the compiled graph instead of
+          being handed to the next ``scale()``;
+        - a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer` on the
+          models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of
+          the default one.
+
+        :meth:`detach` takes a hook or guard out again.
 
         Example:
             >>> import ampscaler
             >>> scaler = ampscaler.GradScaler("cpu")
-            >>> scaler.add_guard(ampscaler.SpikeGuard(sigma=6.0, window=128))
-            SpikeGuard(sigma=6.0, window=128, warmup=128)
+            >>> guard = scaler.attach(ampscaler.SpikeGuard(sigma=6.0, window=128))
+            >>> probe = scaler.attach(ampscaler.GradientProbe(every=100))
+            >>> scaler.detach(guard)
 
         Raises:
-            TypeError: not a guard. ValueError: added already.
+            TypeError: none of these (a sink: :meth:`add_sink`). ValueError: attached already
+                (a probe or tracer: one of each).
         """
-        self._guards.add(guard)
-        return guard
+        if isinstance(plugin, Hook):
+            self._hooks.add(plugin)
+        elif not any(hook.adopt(plugin) for hook in self._hooks):
+            raise TypeError(
+                "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
+                f"GradientProbe, a NonFiniteTracer or a CollapseWatch, got "
+                f"{type(plugin).__name__}; objects that take step records go to add_sink()."
+            )
+        return plugin
+
+    def detach(self, plugin: Hook | Guard) -> None:
+        """Take a hook or guard that :meth:`attach` added out again.
+
+        Raises:
+            ValueError: it is not attached.
+        """
+        if isinstance(plugin, Hook):
+            self._hooks.remove(plugin)
+        elif not any(hook.release(plugin) for hook in self._hooks):
+            raise ValueError(f"{plugin!r} is not attached to this scaler; see scaler.attach().")
+
+    def add_guard(self, guard: GuardT) -> GuardT:
+        """Deprecated: :meth:`attach` takes guards."""
+        _deprecated("add_guard(guard)", "scaler.attach(guard)")
+        if not isinstance(guard, Guard) or isinstance(guard, Hook):
+            raise TypeError(
+                f"add_guard() takes a guard (an object with check(measured) and "
+                f"end_iteration(skipped), such as ampscaler.SpikeGuard), got "
+                f"{type(guard).__name__}."
+            )
+        return self.attach(guard)
+
+    def add_sink(self, sink: SinkT) -> SinkT:
+        """Send every step record to ``sink`` (an object with ``write(record)``); returns it.
+
+        Attaching a sink makes :meth:`update` sync once per iteration. See
+        :mod:`ampscaler.observe.sinks`.
+
+        Example:
+            >>> import ampscaler, torch
+            >>> from ampscaler import LoggingSink
+            >>> scaler = ampscaler.GradScaler("cpu")
+            >>> sink = scaler.add_sink(LoggingSink("train"))
+            >>> scaler.remove_sink(sink)
+
+        Raises:
+            TypeError: ``sink`` has no ``write`` method.
+        """
+        self._observers.add_sink(sink)
+        return sink
+
+    def remove_sink(self, sink: Sink) -> None:
+        """Stop sending records to ``sink`` (without closing it).
+
+        Raises:
+            ValueError: ``sink`` is not attached.
+        """
+        self._observers.remove_sink(sink)
 
     def watch(self, *models: torch.nn.Module, **named_models: torch.nn.Module) -> None:
         """Learn parameter names from ``models`` so overflow reports can name them; a measuring
@@ -1211,11 +1269,10 @@ class GradScaler(TorchPrivateNames):
             (model, prefix) for prefix, model in named_models.items()
         ]
         for model, prefix in watched:
-            self._monitor.watch(model, prefix)
             if self._enabled:
                 self._watched.add(model, prefix)
-            if self._meter is not None:
-                self._meter.watch(model, prefix)
+            for hook in self._hooks:
+                hook.watch(model, prefix)
 
     def wrap(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> None:
         """Scale a loop that never calls the scaler: ``loss.backward()``, clipping and
@@ -1249,7 +1306,7 @@ class GradScaler(TorchPrivateNames):
             >>> out.pow(2).mean().backward()
             >>> _ = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             >>> opt.step()                                  # the scaler's step and update
-            >>> scaler.get_scale(), scaler.stats.steps
+            >>> scaler.get_scale(), scaler.metrics()["scaler/steps"]
             (1024.0, 1)
             >>> scaler.unwrap()
 
@@ -1271,51 +1328,6 @@ class GradScaler(TorchPrivateNames):
         ``zero_grad`` back. The gradients are left true (unscaled). Not wrapped: does
         nothing."""
         unwrap_loop(self)
-
-    def add_sink(self, sink: SinkT) -> SinkT:
-        """Send every step record to ``sink`` (an object with ``write(record)``); returns it.
-
-        Attaching a sink makes :meth:`update` sync once per iteration. See
-        :mod:`ampscaler.observe.sinks`.
-
-        Example:
-            >>> import ampscaler, torch
-            >>> from ampscaler import LoggingSink
-            >>> scaler = ampscaler.GradScaler("cpu")
-            >>> sink = scaler.add_sink(LoggingSink("train"))
-            >>> scaler.remove_sink(sink)
-
-        Raises:
-            TypeError: ``sink`` has no ``write`` method.
-        """
-        self._monitor.add_sink(sink)
-        return sink
-
-    def remove_sink(self, sink: Sink) -> None:
-        """Stop sending records to ``sink`` (without closing it).
-
-        Raises:
-            ValueError: ``sink`` is not attached.
-        """
-        self._monitor.remove_sink(sink)
-
-    def attach(self, observer: AttachableT) -> AttachableT:
-        """Attach a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer`
-        to the models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of
-        the default one; returns it.
-
-        Example:
-            >>> import ampscaler, torch
-            >>> from ampscaler import GradientProbe
-            >>> scaler = ampscaler.GradScaler("cpu")
-            >>> probe = scaler.attach(GradientProbe(every=100))
-
-        Raises:
-            TypeError: not a probe, tracer or collapse watch. ValueError: a probe or tracer
-                is attached already.
-        """
-        self._monitor.attach(observer)
-        return observer
 
     @overload
     def on(self, event: Literal["collapse"], fn: CollapseCallback) -> Callable[[], None]: ...
@@ -1344,27 +1356,13 @@ class GradScaler(TorchPrivateNames):
             ValueError: an unknown event (:class:`~ampscaler.InvalidConfigError`).
             TypeError: ``fn`` is not callable.
         """
-        return self._monitor.on(event, fn)
+        return self._observers.on(event, fn)
 
     @property
-    def history(self) -> list[StepRecord]:
-        """The records kept by the first attached :class:`~ampscaler.StepHistory`, oldest first
-        (empty without one).
-
-        Example:
-            >>> import ampscaler, torch
-            >>> model = torch.nn.Linear(2, 1)
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> scaler = ampscaler.GradScaler("cpu", init_scale=256.0)
-            >>> _ = scaler.add_sink(ampscaler.StepHistory(100))
-            >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
-            >>> scaler.step(opt)
-            >>> scaler.update()
-            >>> record = scaler.history[-1]
-            >>> record.step, record.scale, record.skipped
-            (0, 256.0, False)
-        """
-        return self._monitor.history
+    def history(self) -> list[Any]:
+        """Deprecated: attach a :class:`~ampscaler.StepHistory` and read its ``records``."""
+        _deprecated("history", "the records of an attached StepHistory (history.records)")
+        return self._observers.history
 
     def __repr__(self) -> str:
         if not self._enabled:

@@ -40,7 +40,15 @@ import torch
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
 from .hostcopy import HostCopy, read_values
-from .policy import LOWEST_SCALE, Policy, PolicyState, float32_value
+from .policy import LOWEST_SCALE, Policy, PolicyState, adjusted, float32_value
+from .policy.derived import (
+    compared_settings,
+    lowest_after,
+    policy_name,
+    power_of_two,
+    torch_rule,
+    with_rule,
+)
 
 __all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
 
@@ -374,12 +382,12 @@ class ScalerState:
             ScalerUsageError: the policy has no such rule.
             InvalidConfigError: a value out of range.
         """
-        policy = self._policy.with_rule(funcname, **changes)
+        policy = with_rule(self._policy, funcname, **changes)
         self._apply_pending()
         self._policy = self._pending_policy = policy
         self._holds = policy.holds_on_nonfinite_loss
         if self._watch is not None:
-            self._watch.set_policy(policy.power_of_two)
+            self._watch.set_policy(power_of_two(policy))
 
     # ------------------------------------------------------------------ reads (settled)
 
@@ -461,8 +469,8 @@ class ScalerState:
         """What ranks compare: the policy's settings, and every state tensor (the live objects,
         which later updates change in place)."""
         policy = self._policy
-        settings: dict[str, Any] = {**policy.torch_rule()._asdict(), "policy": policy.kind}
-        settings.update(policy.settings())
+        settings: dict[str, Any] = {**torch_rule(policy)._asdict(), "policy": policy_name(policy)}
+        settings.update(compared_settings(policy))
         live = self.live
         if live is not None:
             settings.update(live.tensors._asdict())
@@ -530,7 +538,7 @@ class ScalerState:
         measured: torch.Tensor | None,
     ) -> None:
         """The policy's update, where the flag ``hold`` is not > 0 (branch-free)."""
-        moved = self._policy.adjust(live.tensors, found_inf, measured)
+        moved = adjusted(self._policy, live.tensors, found_inf, measured)
         keep = hold.to(live.device) > 0
         for tensor, value in zip(live.tensors, moved, strict=True):
             if value is not tensor:
@@ -584,7 +592,7 @@ class ScalerState:
         self._live.replace_tensors(tensors)
         self._live.counters.reset(host.stats)
         if self._watch is not None:
-            self._watch.set_policy(policy.power_of_two)
+            self._watch.set_policy(power_of_two(policy))
         self._saw(float32_value(host.scale))
 
     # ------------------------------------------------------------------ powers of two
@@ -597,7 +605,7 @@ class ScalerState:
         if self._watch is not None:
             return
         self._apply_pending()
-        watch = self._watch = Pow2Watch(self._policy.power_of_two)
+        watch = self._watch = Pow2Watch(power_of_two(self._policy))
         live = self._live
         if live is None:
             watch.saw(self._host.scale)
@@ -664,7 +672,7 @@ class ScalerState:
         self._renewal = None
         copied = float(renewal.tolist())
         for _ in range(self._updates - renewal.at):  # the updates since the copy was taken
-            copied = self._policy.lowest_after(copied, None)
+            copied = lowest_after(self._policy, copied, None)
         return max(self._lowest, copied)
 
     def _keep_above_floor(
@@ -672,7 +680,7 @@ class ScalerState:
     ) -> None:
         """After an update from a scale of at least ``known``: clamp ``scale`` in place at
         :data:`~ampscaler.policy.LOWEST_SCALE` unless the bound the policy gives
-        (:meth:`Policy.lowest_after <ampscaler.Policy.lowest_after>`) keeps it at twice that or
+        (:func:`~ampscaler.policy.derived.lowest_after`) keeps it at twice that or
         more. No host sync; one device op when it clamps.
 
         It always clamps under ``torch.compile`` (a Python bound read there would be guarded
@@ -687,7 +695,7 @@ class ScalerState:
             scale.clamp_(min=LOWEST_SCALE)
             self._lowest = 0.0
             return
-        lowest = self._policy.lowest_after(known, overflowed)
+        lowest = lowest_after(self._policy, known, overflowed)
         if lowest < 2.0 * LOWEST_SCALE:
             scale.clamp_(min=LOWEST_SCALE)
             lowest = max(lowest, LOWEST_SCALE)
@@ -716,14 +724,15 @@ class ScalerState:
         runs eagerly under ``torch.compile``): nothing to apply."""
         live = self._live
         policy = self._pending_policy
-        if live is None or (policy.measuring and not self._deferred):
+        measures = type(policy).new_meter is not Policy.new_meter
+        if live is None or (measures and not self._deferred):
             return
         found = self._pending[0]
         for flag in self._pending[1:]:
             found = found + flag
         pending = ~torch.isnan(found)
         old = live.scale.clone()
-        moved = policy.adjust(live.tensors, torch.where(pending, found, 0.0))
+        moved = adjusted(policy, live.tensors, torch.where(pending, found, 0.0))
         for tensor, value in zip(live.tensors, moved, strict=True):
             if value is not tensor:
                 tensor.copy_(torch.where(pending, value, tensor))

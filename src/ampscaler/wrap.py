@@ -180,9 +180,11 @@ class LoopFree:
         """``grad`` x the scale; the first call of a backward starts the backward's bookkeeping."""
         if not self._in_backward:
             self._in_backward = True
-            meter = self._scaler._meter
-            if meter is not None:  # a measuring policy's iteration starts at the first loss
-                meter.start()
+            scaler = self._scaler
+            # The moment scale() would have come (a measuring policy's meter starts there);
+            # no loss is kept: the loop never hands it over.
+            for hook in scaler._hooks.at_scale:
+                hook.at_scale(scaler._iteration)
             self._multiply_all(lambda scale: scale)
             engine = torch.autograd.Variable._execution_engine
             # Queued from the end-of-backward phase, it runs after the callbacks DDP's reducer

@@ -62,7 +62,7 @@ def use_scaler(accelerator: Accelerator, scaler: GradScaler | None = None) -> Gr
         >>> model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters()))
         >>> accelerator.backward(model(torch.ones(2, 4)).float().sum())
         >>> optimizer.step()
-        >>> scaler.stats.steps
+        >>> scaler.metrics("")["steps"]
         1
 
     With FSDP, Accelerate builds torch's ``ShardedGradScaler`` for FSDP1 (flat shards) and a

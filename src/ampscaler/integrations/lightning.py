@@ -100,7 +100,7 @@ class SkipAwareLRSchedulers(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After a resume the scaler's counters come from the checkpoint: count from there.
-        self._steps_seen = _scaler_of(trainer).stats.steps
+        self._steps_seen = int(_scaler_of(trainer).metrics("")["steps"])
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -112,7 +112,7 @@ class SkipAwareLRSchedulers(Callback):
 
     def _held_back(self, scaler: GradScaler) -> bool:
         if self._hold is None:
-            steps = scaler.stats.steps
+            steps = int(scaler.metrics("")["steps"])
             self._hold = steps > self._steps_seen and scaler.last_step_skipped
             self._steps_seen = steps
         return self._hold

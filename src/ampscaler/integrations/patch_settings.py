@@ -39,6 +39,7 @@ import torch
 
 from ..errors import InvalidConfigError, ScalerUsageError
 from ..policy import Policy, require_policy
+from ..policy.derived import with_rule
 from ..scaler import GradScaler
 
 __all__ = ["TORCH_ARGUMENTS", "PatchSettings", "checked", "from_json", "merged_arguments"]
@@ -216,7 +217,7 @@ def merged_arguments(
 
 def _agrees_with_policy(policy: Policy, name: str, value: object, call: str) -> None:
     try:
-        if policy.with_rule(call, **{name: value}) == policy:
+        if with_rule(policy, call, **{name: value}) == policy:
             return  # the policy moves the scale with that very number
     except (ScalerUsageError, InvalidConfigError):
         pass  # a policy without torch's rule, or a value no rule takes

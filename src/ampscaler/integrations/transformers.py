@@ -65,7 +65,7 @@ def use_scaler_in_trainer(trainer: Trainer, scaler: GradScaler | None = None) ->
         >>> scaler = use_scaler_in_trainer(trainer, ampscaler.GradScaler("cpu"))
         >>> _ = trainer.train()  # doctest: +ELLIPSIS
         {'train_runtime': ...}
-        >>> scaler.stats.steps, trainer.accelerator.scaler is scaler
+        >>> scaler.metrics("")["steps"], trainer.accelerator.scaler is scaler
         (2, True)
 
     Args:

@@ -244,18 +244,26 @@ class CollapseWatch:
         """Whether it watches anything."""
         return self.scale_drop is not None or self.skip_rate is not None
 
-    def due(self) -> bool:
-        """Count one update; whether :meth:`look` has work now (a window ended; during a
-        collapse, every update until the scale is at its floor; or a copy is on its way).
-        Cheap: called at every update."""
-        updates = self._updates = self._updates + 1
-        if updates % self.window == 0:
-            self._window_ended = updates
+    def due(self, updates: int = 1) -> bool:
+        """Count ``updates`` more updates; whether :meth:`look` has work now (a window ended;
+        during a collapse, every update until the scale is at its floor; or a copy is on its
+        way). Cheap."""
+        before = self._updates
+        updates = self._updates = before + updates
+        if updates // self.window > before // self.window:
+            self._window_ended = updates - updates % self.window
         elif self._window_ended is None and not self._collapsing and self._pending is None:
             return False  # the common case: within a window, no collapse, no copy on its way
         return self._pending is not None or (
             self.active and (self._window_ended is not None or self._nearing_floor)
         )
+
+    def next_due(self) -> int:
+        """How many updates from now :meth:`due` may next have work: one while a copy is on
+        its way or a collapse is on, else the rest of the window."""
+        if self._pending is not None or self._collapsing:
+            return 1
+        return self.window - self._updates % self.window
 
     @property
     def _nearing_floor(self) -> bool:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from ..errors import InvalidConfigError
+from ..hooks import Hook
 from ..hostcopy import read_values
 from ..taps import WatchedModels
 from . import localize
@@ -44,8 +45,8 @@ from .records import StepRecord
 from .sinks import Sink, StepHistory
 
 if TYPE_CHECKING:
-    from ..iteration import Iteration, SkipOrigin
-    from ..state import StepCounters
+    from ..iteration import Iteration, OptimizerRecord, SkipOrigin
+    from ..state import LiveState, StepCounters
 
 __all__ = ["EVENTS", "Attachable", "Callback", "CollapseCallback", "Monitor", "RecordCallback"]
 
@@ -67,29 +68,35 @@ Attachable: TypeAlias = GradientProbe | NonFiniteTracer | CollapseWatch
 replaces the one in place."""
 
 
+#: Where the monitor keeps what it derived from an iteration, in ``Iteration.notes``.
+_NOTE = "monitor"
+
+
 @dataclass
 class _Observed:
-    """What the observers derived from one iteration of the scaler."""
+    """What the observers derived from one iteration (kept in the iteration's notes)."""
 
-    iteration: Iteration | None = None
     reports: list[OverflowReport] = field(default_factory=list)
-    # Fused optimizers and their inf flags on the device, read only on demand.
-    fused: list[tuple[torch.optim.Optimizer, torch.Tensor]] = field(default_factory=list)
+    localized: set[int] = field(default_factory=set)  # ids of the optimizers in reports
     trace: list[TraceEvent] | None = None
     resolved: bool = False
     report: OverflowReport | None = None
-    # Optimizers whose overflow was localized at unscale_(), before anything changed their
-    # gradients (clipping turns inf into NaN).
-    checked: set[int] = field(default_factory=set)
 
 
-#: What :meth:`Monitor.after_update` keeps for an iteration in which nothing was noted (no
-#: skip, nothing traced): resolved, with no report.
-_NOTHING_OBSERVED = _Observed(resolved=True)
+def _observed(iteration: Iteration) -> _Observed:
+    found: _Observed | None = iteration.notes.get(_NOTE)
+    if found is None:
+        found = iteration.notes[_NOTE] = _Observed()
+    return found
 
 
-class Monitor:
-    """Per-iteration overflow bookkeeping; the probe, tracer, sinks and callbacks attached.
+class Monitor(Hook):
+    """Overflow reports; the probe, tracer, sinks, callbacks and collapse watch attached.
+
+    A hook (:mod:`ampscaler.hooks`) whose moments follow what is attached: by default only a
+    skip known on the host (``on_skip``: localize it) and the collapse watch's checks
+    (``periodic``); ``after_update`` once anything consumes records or a probe or tracer is
+    attached; ``before_check`` with a probe. A clean default iteration runs none of it.
 
     Args:
         enabled: whether the scaler is enabled; a disabled one takes attachments but registers
@@ -108,8 +115,6 @@ class Monitor:
         self.collapse = CollapseWatch()
         self.tally = OverflowTally()
         self._models = WatchedModels()
-        self._current = _Observed()
-        self._finished = _Observed()
 
     # ------------------------------------------------------------------ configuration
 
@@ -117,6 +122,15 @@ class Monitor:
     def consuming(self) -> bool:
         """Whether anything takes step records (so ``update()`` must read the outcome)."""
         return bool(self._sinks) or self._record_callbacks > 0
+
+    def moments(self) -> set[str]:
+        """The moments it is due at, given what is attached."""
+        due = {"on_skip", "periodic"}
+        if self.consuming or self._probe is not None or self._tracer is not None:
+            due.add("after_update")
+        if self._probe is not None:
+            due.add("before_check")
+        return due
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Learn ``model``'s parameter names; the probe and tracer tap its modules."""
@@ -127,6 +141,13 @@ class Monitor:
         for observer in (self._probe, self._tracer):
             if observer is not None:
                 observer.watch(model, prefix)
+
+    def adopt(self, plugin: object) -> bool:
+        """Attach ``plugin`` if it is a probe, a tracer or a collapse watch."""
+        if not isinstance(plugin, (GradientProbe, NonFiniteTracer, CollapseWatch)):
+            return False
+        self.attach(plugin)
+        return True
 
     def attach(self, observer: Attachable) -> None:
         """Attach a probe or a tracer (one of each), which taps the models watched so far and
@@ -155,9 +176,11 @@ class Monitor:
             self._tracer = observer
         else:
             raise TypeError(
-                f"attach() takes a GradientProbe, a NonFiniteTracer or a CollapseWatch, got "
+                "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
+                f"GradientProbe, a NonFiniteTracer or a CollapseWatch, got "
                 f"{type(observer).__name__}; objects that take step records go to add_sink()."
             )
+        self.changed()
         if self._enabled:
             for model, prefix in self._models:
                 observer.watch(model, prefix)
@@ -182,11 +205,13 @@ class Monitor:
         callbacks = self._callbacks[event]
         callbacks.append(fn)
         self._record_callbacks += 1
+        self.changed()
 
         def remove() -> None:
             if fn in callbacks:
                 callbacks.remove(fn)
                 self._record_callbacks -= 1
+                self.changed()
 
         return remove
 
@@ -198,12 +223,14 @@ class Monitor:
                 f"JsonlSink, TensorBoardSink, LoggingSink, ...), got {type(sink).__name__}."
             )
         self._sinks.append(sink)
+        self.changed()
 
     def remove_sink(self, sink: Sink) -> None:
         """Stop sending records to ``sink`` (it is not closed)."""
         if sink not in self._sinks:
             raise ValueError(f"{sink!r} is not attached to this scaler; see scaler.add_sink().")
         self._sinks.remove(sink)
+        self.changed()
 
     @property
     def history(self) -> list[StepRecord]:
@@ -214,99 +241,54 @@ class Monitor:
                 return sink.records
         return []
 
-    # ------------------------------------------------------------------ the scaler's calls
+    # ------------------------------------------------------------------ the moments
 
-    def before_check(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
-        """Called with the scaled gradients, before they are checked; the probe measures when
-        due."""
+    def before_check(self, record: OptimizerRecord, scale: torch.Tensor) -> None:
+        """The probe measures the scaled gradients when due."""
         if self._probe is not None:
-            self._probe.measure(optimizer, scale)
+            self._probe.measure(record.optimizer, scale)
 
-    def note_check(
-        self,
-        iteration: Iteration,
-        optimizer: torch.optim.Optimizer,
-        counters: StepCounters | None,
-    ) -> None:
-        """``unscale_()`` found inf/NaN in ``optimizer``'s gradients: localize now, while they
-        are as the check saw them (host syncs, on overflowing checks only); the step that
-        follows reports it."""
-        observed = self._observe(iteration)
-        self.note_step(iteration, optimizer, True, counters)
-        observed.checked.add(id(optimizer))
+    def on_skip(self, iteration: Iteration, record: OptimizerRecord, live: LiveState) -> None:
+        """A skip known on the host: localize it now, while the gradients are as the check saw
+        them (host syncs, on skipped steps only); at the scale's floor, warn now."""
+        counters = live.counters
+        step = int(counters.steps.item())
+        events = None if self._tracer is None else self._tracer.events
+        scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
+        report = self._localize([record.optimizer], step, scale, events, iteration, record.origin)
+        observed = _observed(iteration)
+        observed.reports.append(report)
+        observed.localized.add(id(record.optimizer))
+        self.tally.add(report)
+        self.collapse.note_skip(
+            report,
+            lambda: int(counters.consecutive_skips.item()),
+            self.tally,
+            self._collapse_callbacks,
+        )
 
-    def note_step(
-        self,
-        iteration: Iteration,
-        optimizer: torch.optim.Optimizer,
-        found_inf: bool | torch.Tensor,
-        counters: StepCounters | None,
-        origin: SkipOrigin | None = None,
-    ) -> None:
-        """Record one ``step()``: a known outcome (plain path) or a device flag (fused path).
-
-        A known skip is localized now, while the gradients are certainly there (host syncs,
-        on skipped steps only); ``origin`` says where it came from (its cause, and with a
-        process group the ranks, the same on every rank). A flag is read when the overflow
-        is asked for, up to the end of the next iteration: it must not change before then.
-        """
-        if isinstance(found_inf, torch.Tensor):
-            self._observe(iteration).fused.append((optimizer, found_inf))
-            return
-        if not found_inf:
-            return  # a clean plain step: nothing to note
-        observed = self._observe(iteration)
-        if id(optimizer) not in observed.checked:
-            step = 0 if counters is None else int(counters.steps.item())
-            events = None if self._tracer is None else self._tracer.events
-            scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
-            report = self._localize([optimizer], step, scale, events, iteration, origin)
-            observed.reports.append(report)
-            self.tally.add(report)
-            if counters is not None:  # at the scale's floor: warn now, before a step runs there
-                seen = counters
-                self.collapse.note_skip(
-                    report,
-                    lambda: int(seen.consecutive_skips.item()),
-                    self.tally,
-                    self._collapse_callbacks,
-                )
-
-    def after_update(self, iteration: Iteration, counters: StepCounters, compiling: bool) -> None:
-        """End the iteration: emit its record if anything consumes records; move the probe
-        and the collapse watch on (not under ``torch.compile``: ``compiling``, as the caller
-        knows it).
-
-        ``iteration`` holds its outcome (``found_inf``, ``spiked``, the scale it ran at as a
-        copy, and the live ``new_scale``, read only here); ``counters`` have counted it.
-        """
+    def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
+        """Emit the iteration's record if anything consumes records; move the probe on; keep
+        the tracer's events with the iteration."""
         pending = None if self._probe is None else self._probe.end_iteration()
         if self._tracer is not None:
-            self._observe(iteration).trace = self._tracer.take()
-        if self._sinks or self._record_callbacks:
-            self._emit(iteration, counters, pending)
-        # Nothing noted in the iteration: nothing to report. Nothing of it is held once the
-        # next one ends (its optimizers, its losses).
-        current = self._current
-        if current.iteration is iteration:
-            self._finished, self._current = current, _NOTHING_OBSERVED
-        else:
-            self._finished = _NOTHING_OBSERVED
-        if not compiling and self.collapse.due():
-            new_scale = iteration.new_scale
-            assert new_scale is not None  # set by update()
-            self.collapse.look(
+            _observed(iteration).trace = self._tracer.take()
+        if self.consuming:
+            self._emit(iteration, live.counters, pending)
+
+    def periodic(self, iteration: Iteration, live: LiveState, updates: int) -> int:
+        """The collapse watch looks at the counters when it has work."""
+        collapse = self.collapse
+        if collapse.due(updates):
+            new_scale = live.scale
+            counters = live.counters
+            collapse.look(
                 lambda: snapshot_of(counters, new_scale),
                 self.tally,
                 self._collapse_callbacks,
                 lambda: iteration.loss_origin().cause,
             )
-
-    def _observe(self, iteration: Iteration) -> _Observed:
-        current = self._current
-        if current.iteration is not iteration:
-            current = self._current = _Observed(iteration)
-        return current
+        return collapse.next_due()
 
     def _emit(
         self, iteration: Iteration, counters: StepCounters, pending: PendingProbe | None
@@ -328,7 +310,7 @@ class Monitor:
             new_scale=new,
             skipped=skipped,
             time=time.time(),
-            overflow=self._resolve(self._current, lambda: step) if skipped else None,
+            overflow=self._resolve(iteration, step) if skipped else None,
             probe=None if pending is None else pending.finish(read[2], old),
             spike=not skipped and spike_flag > 0,
             attempt=iteration.attempt,
@@ -371,18 +353,26 @@ class Monitor:
             return report
         return dataclasses.replace(report, ranks=origin.ranks, micro_batch=origin.micro_batch)
 
-    def _resolve(self, observed: _Observed, step: Callable[[], int]) -> OverflowReport | None:
+    def _resolve(self, iteration: Iteration, step: int) -> OverflowReport | None:
+        """The iteration's overflow report: the skips localized at the step, and the fused
+        optimizers' flags read and localized now (once)."""
+        observed = _observed(iteration)
         if observed.resolved:
             return observed.report
         reports = list(observed.reports)
-        overflowed = [opt for opt, flag in observed.fused if bool(flag.item())]
-        iteration = observed.iteration
-        if overflowed and iteration is not None and iteration.scale is not None:
+        overflowed = [  # the fused optimizers' (their flags stayed on the device)
+            record.optimizer
+            for key, record in iteration.records.items()
+            if key not in observed.localized
+            and record.outcome is not None
+            and record.outcome.reason == "nonfinite"
+        ]
+        if overflowed and iteration.scale is not None:
             events = observed.trace
             if events is None and self._tracer is not None:
                 events = self._tracer.events
             scale = float(iteration.scale.item())
-            report = self._localize(overflowed, step(), scale, events, iteration)
+            report = self._localize(overflowed, step, scale, events, iteration)
             reports.append(report)
             self.tally.add(report)
         observed.report = merge_reports(reports) if reports else None
@@ -390,22 +380,18 @@ class Monitor:
         return observed.report
 
     def last_overflow(
-        self, current: Iteration, counters: StepCounters | None
+        self, iteration: Iteration | None, in_progress: bool, counters: StepCounters | None
     ) -> OverflowReport | None:
-        """The overflow of the iteration in progress (``current``) if it stepped, else of the
-        last one.
+        """The overflow of ``iteration`` (the one in progress, or the last one that ended;
+        ``None``: none yet).
 
         On the fused path the first read is a host sync (it reads the inf flags) and localizes
         then: read it before ``optimizer.zero_grad()``.
         """
-        in_progress = current.stepped
-        observed = self._observe(current) if in_progress else self._finished
-
-        def step() -> int:
-            done = 0 if counters is None else int(counters.steps.item())
-            return done if in_progress else done - 1
-
-        return self._resolve(observed, step)
+        if iteration is None:
+            return None
+        done = 0 if counters is None else int(counters.steps.item())
+        return self._resolve(iteration, done if in_progress else done - 1)
 
     # ------------------------------------------------------------------ copies
 

@@ -37,10 +37,12 @@ from .base import (
     PolicyState,
     PowerOfTwo,
     TorchRule,
+    adjusted,
     check_scale,
     float32_value,
     pow2_exponent,
 )
+from .derived import from_checkpoint, from_torch_dict, policy_name
 from .headroom import HeadroomPolicy, HeadroomState
 from .scale import ScalePolicy, ScaleState, StaticPolicy
 
@@ -58,6 +60,7 @@ __all__ = [
     "ScaleState",
     "StaticPolicy",
     "TorchRule",
+    "adjusted",
     "check_scale",
     "float32_value",
     "policy_from_arguments",
@@ -143,14 +146,15 @@ def policy_from_state_dict(
     """
     kind = saved.get("policy", _legacy_kind(saved))
     if kind is None:
-        return current.from_torch_dict(saved), {}
+        return from_torch_dict(current, saved), {}
     if not isinstance(kind, str):
         raise InvalidConfigError(f"policy must be the name of a policy, got {kind!r}.")
-    prototype = current if kind == current.kind else BUILT_IN.get(kind)
+    current_kind = policy_name(current)
+    prototype = current if kind == current_kind else BUILT_IN.get(kind)
     if prototype is None:
         raise InvalidConfigError(
             f"the checkpoint was saved by a scaler with policy {kind!r}, which this scaler "
-            f"(policy {current.kind!r}) cannot make: construct the scaler with a {kind} before "
+            f"(policy {current_kind!r}) cannot make: construct the scaler with a {kind} before "
             "loading it."
         )
-    return prototype.from_checkpoint(saved)
+    return from_checkpoint(prototype, saved)

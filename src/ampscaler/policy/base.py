@@ -7,19 +7,22 @@ holds: whatever differs between policies goes through the methods of :class:`Pol
 policy written in a user's own file trains, checkpoints, resumes and agrees across ranks like
 the built-in ones.
 
-What a policy provides, and where the scaler uses it:
+What a policy provides, and where the scaler uses it (eight things, one of them required):
 
-============================  ===============================================================
-:meth:`~Policy.update_`       ``update()``: the transition, in place, on the device (required)
-:meth:`~Policy.initial_state` the state tensors, fresh or from saved values
-:meth:`~Policy.adjust`        the pure transition (a compiled ``update()`` applies it masked)
-:meth:`~Policy.check_scale`   validating ``init_scale``, ``update(new_scale)``, loaded scales
-:meth:`~Policy.set_scale_`    ``update(new_scale)``
-:attr:`~Policy.power_of_two`  whether the scale stays a power of two (exact unscaling)
-:meth:`~Policy.new_meter`     what it needs measured, and how often
-:meth:`~Policy.torch_rule`    torch's getters and checkpoint keys (``growth_factor``, ...)
-:meth:`~Policy.config`        its settings: saved in checkpoints, compared across ranks
-============================  ===============================================================
+========================================  ===================================================
+:meth:`~Policy.update_`                   ``update()``: the transition, in place (required)
+:meth:`~Policy.initial_state`             the state tensors, fresh or from saved values
+:meth:`~Policy.own_values`                validating its own saved state values
+:meth:`~Policy.set_scale_`                ``update(new_scale)``
+:attr:`~Policy.holds_on_nonfinite_loss`   whether an inf/NaN loss leaves the state alone
+:meth:`~Policy.check_scale`               validating ``init_scale``, ``new_scale``, loaded scales
+:meth:`~Policy.starting_scale`            where a scaler starts, given its ``init_scale``
+:meth:`~Policy.new_meter`                 what it needs measured (a hook), and how often
+========================================  ===================================================
+
+Everything else is derived from its dataclass fields by :mod:`ampscaler.policy.derived`: its
+name, its settings (saved in checkpoints, compared across ranks), torch's getters and
+checkpoint keys, and the pure transition (:func:`adjusted`: :meth:`~Policy.update_` on copies).
 
 Writing one takes a frozen dataclass and :meth:`~Policy.update_`, written with ``torch.where``
 so that it never waits for the device::
@@ -51,15 +54,14 @@ starts with those two and overrides :meth:`~Policy.initial_state` (see
 from __future__ import annotations
 
 import abc
-import dataclasses
 import math
 import struct
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..errors import InvalidConfigError, ScalerUsageError
+from ..errors import InvalidConfigError
 
 __all__ = [
     "FP16_MAX",
@@ -70,6 +72,7 @@ __all__ = [
     "PolicyState",
     "PowerOfTwo",
     "TorchRule",
+    "adjusted",
     "check_scale",
     "float32_value",
     "pow2_exponent",
@@ -279,42 +282,11 @@ class Policy(abc.ABC):
     """How the loss scale moves: the protocol every policy implements (module docstring).
 
     Subclasses are frozen dataclasses of Python numbers, validated on construction. Only
-    :meth:`update_` is required; every other method has a default that fits a policy whose
-    state is :class:`BasicState` and whose scale may take any value.
+    :meth:`update_` is required; the other seven have defaults that fit a policy whose state is
+    :class:`BasicState` and whose scale may take any value. Its name, the settings ranks
+    compare, torch's getters and its checkpoint entries are read from its dataclass fields by
+    :mod:`ampscaler.policy.derived`, not asked of it.
     """
-
-    #: Whether :meth:`update_` and :meth:`adjust` use ``measured`` (then :meth:`new_meter`
-    #: gives the meter that measures it).
-    measuring: ClassVar[bool] = False
-
-    @property
-    def holds_on_nonfinite_loss(self) -> bool:
-        """Whether the state stays as it is after an iteration whose loss was already inf/NaN
-        before scaling (a lower scale cannot help such a step; the scaler then leaves the
-        state untouched instead of calling :meth:`update_`). ``False`` by default: every
-        skipped iteration moves the policy, as torch's rule does."""
-        return False
-
-    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
-        """A lower bound on the scale one update can leave, from a scale of at least ``scale``
-        (``overflowed``: whether the iteration's gradients held inf/NaN, where the host knows
-        it; ``None``: not known). A Python computation, no device work.
-
-        The scaler keeps the scale at or above :data:`LOWEST_SCALE`: below it ``1/scale`` is
-        inexact, and from ``2**-128`` on infinite, so unscaling would write inf/NaN into
-        finite gradients and the scaler's own ``state_dict()`` would not load again. It
-        follows this bound from the last scale it knew on the host and clamps the scale (one
-        device op) after every update the bound cannot keep above the floor. The default,
-        ``0.0``, knows no bound: the scale is clamped after every update.
-
-        Example:
-            >>> from ampscaler import ScalePolicy
-            >>> ScalePolicy().lowest_after(1024.0, overflowed=None)  # one backoff, less a margin
-            511.99951171875
-            >>> ScalePolicy().lowest_after(1024.0, overflowed=False)  # clean: never lower
-            1024.0
-        """
-        return 0.0
 
     # ------------------------------------------------------------------ the state
 
@@ -322,7 +294,7 @@ class Policy(abc.ABC):
         self, scale: float, device: torch.device, values: Mapping[str, Any] | None = None
     ) -> PolicyState:
         """The state on ``device``: ``scale``, and the other fields from ``values`` (by name,
-        as Python numbers or lists, as :meth:`state_values` gives them; validated already),
+        as Python numbers or lists, as :meth:`own_values` gives them; validated already),
         fresh where ``values`` lacks them. The default makes a :class:`BasicState`."""
         tracker = 0 if values is None else int(values.get("growth_tracker", 0))
         return BasicState(_scale_tensor(scale, device), _tracker_tensor(tracker, device))
@@ -341,22 +313,21 @@ class Policy(abc.ABC):
     ) -> None:
         """Move ``state`` in place (its tensors keep their identity) after one iteration whose
         gradients held inf/NaN iff ``found_inf > 0`` (a 0-dim float32 tensor on the state's
-        device). ``measured`` is the iteration's measurement for a :attr:`measuring` policy on
-        the iterations it measures (``None`` otherwise). Must not wait for the device."""
-
-    def adjust(
-        self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
-    ) -> PolicyState:
-        """The state after one iteration, leaving ``state`` as it was (pure). The default runs
-        :meth:`update_` on copies of the tensors."""
-        moved = type(state)(*(tensor.clone() for tensor in state))
-        self.update_(moved, found_inf, measured)
-        return moved
+        device). ``measured`` is the iteration's measurement, on the iterations the meter of
+        :meth:`new_meter` measures (``None`` otherwise). Must not wait for the device."""
 
     def set_scale_(self, state: PolicyState, value: float) -> None:
         """``update(new_scale)``: put ``value`` (validated by :meth:`check_scale`) into the
         state, in place."""
         state.scale.fill_(value)
+
+    @property
+    def holds_on_nonfinite_loss(self) -> bool:
+        """Whether the state stays as it is after an iteration whose loss was already inf/NaN
+        before scaling (a lower scale cannot help such a step; the scaler then leaves the
+        state untouched instead of calling :meth:`update_`). ``False`` by default: every
+        skipped iteration moves the policy, as torch's rule does."""
+        return False
 
     # ------------------------------------------------------------------ values
 
@@ -370,97 +341,22 @@ class Policy(abc.ABC):
         """The scale a scaler starts from, given its ``init_scale`` (validated)."""
         return self.check_scale("init_scale", init_scale)
 
-    @property
-    def power_of_two(self) -> PowerOfTwo | None:
-        """How this policy keeps a power-of-two scale one, or ``None`` when it may turn one
-        into something else (then unscaling is never assumed exact in float32)."""
-        return None
-
     def new_meter(self, iteration: int, agreed: bool) -> Meter | None:
         """The meter that measures for this policy from its iteration number ``iteration``
         (``agreed``: the scaler agrees across ranks, so measurements may differ by rank);
-        ``None`` for a policy that measures nothing."""
+        ``None`` for a policy that measures nothing (the default)."""
         return None
 
-    # ------------------------------------------------------------------ torch's names
 
-    def torch_rule(self) -> TorchRule:
-        """The rule torch's getters report and ``state_dict()`` saves under torch's keys
-        (torch's defaults for a policy without one)."""
-        return TorchRule()
-
-    def with_rule(self, funcname: str, **changes: Any) -> Policy:
-        """This policy with torch's rule numbers changed (``set_growth_factor()`` and friends).
-
-        Raises:
-            ScalerUsageError: this policy has no such rule (the default).
-        """
-        raise ScalerUsageError(
-            f"{funcname}() changes the dynamic rule, but this scaler's policy is {self}, which "
-            "has no growth rule to change; construct the scaler with the policy you want, or "
-            "with policy=ScalePolicy(...) for torch's rule."
-        )
-
-    # ------------------------------------------------------------------ checkpoints, ranks
-
-    @property
-    def kind(self) -> str:
-        """The name checkpoints know this policy by (its class name)."""
-        return type(self).__name__
-
-    def config(self) -> dict[str, Any]:
-        """The settings, as Python values: saved in checkpoints and compared across ranks. The
-        default takes the dataclass fields."""
-        if not dataclasses.is_dataclass(self):
-            return {}
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-    def settings(self) -> dict[str, Any]:
-        """The settings as ranks compare them before they agree, each a Python number, string,
-        bool or ``None`` (beside torch's rule numbers and the policy's kind). The default: the
-        :meth:`config`."""
-        return self.config()
-
-    def with_config(self, config: Mapping[str, Any]) -> Policy:
-        """A policy of this kind with the settings ``config`` (from a checkpoint), validated by
-        construction. The default builds the dataclass from its fields.
-
-        Raises:
-            InvalidConfigError: a setting is missing or invalid.
-        """
-        names = list(self.config())
-        missing = [name for name in names if name not in config]
-        if missing:
-            raise InvalidConfigError(f"the checkpoint lacks the {self.kind} settings {missing}.")
-        try:
-            return type(self)(**{name: config[name] for name in names})
-        except TypeError as error:
-            raise InvalidConfigError(f"the {self.kind} settings do not fit: {error}.") from error
-
-    def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """What ``state_dict()`` holds for this policy beyond torch's keys, given its own state
-        ``values`` (as :meth:`initial_state` takes them, scale and growth tracker left out).
-        The default: one section, ``policy_state``, with the settings and the values."""
-        return {"policy_state": {**self.config(), **values}}
-
-    def from_checkpoint(self, saved: Mapping[str, Any]) -> tuple[Policy, dict[str, Any]]:
-        """The policy and its own state values that ``saved`` (a state dict naming this
-        policy's :attr:`kind`) restores, validated; :meth:`checkpoint_entries`' counterpart.
-
-        Raises:
-            InvalidConfigError: the section is missing or holds invalid values.
-        """
-        section = saved.get("policy_state")
-        if not isinstance(section, Mapping):
-            raise InvalidConfigError(
-                f"the checkpoint names policy {self.kind!r} but holds no 'policy_state' section "
-                f"with its settings (got {section!r}); it was not saved by this policy."
-            )
-        policy = self.with_config(section)
-        own = {key: value for key, value in section.items() if key not in policy.config()}
-        return policy, policy.own_values(own)
-
-    def from_torch_dict(self, saved: Mapping[str, Any]) -> Policy:
-        """The policy after loading torch's own state dict (only torch's five keys): the
-        default keeps this policy as constructed."""
-        return self
+def adjusted(
+    policy: Policy,
+    state: PolicyState,
+    found_inf: torch.Tensor,
+    measured: torch.Tensor | None = None,
+) -> PolicyState:
+    """The state after one iteration, leaving ``state`` as it was: ``policy``'s
+    :meth:`~Policy.update_` run on copies of its tensors (a compiled ``update()`` applies it
+    masked)."""
+    moved = type(state)(*(tensor.clone() for tensor in state))
+    policy.update_(moved, found_inf, measured)
+    return moved

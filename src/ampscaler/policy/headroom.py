@@ -23,14 +23,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import InvalidConfigError, ScalerUsageError
+from ..errors import InvalidConfigError
 from .base import (
     FP16_MAX,
     Meter,
     Policy,
     PolicyState,
     PowerOfTwo,
-    TorchRule,
     check_scale,
     pow2_exponent,
     require_int,
@@ -95,7 +94,7 @@ def _require_pow2(name: str, value: object, *, optional: bool = False) -> float 
 
 @dataclass(frozen=True)
 class HeadroomPolicy(Policy):
-    """A scale set from measured gradient magnitudes instead of found by overflowing.
+    """A scale set from measured gradients' magnitudes instead of found by overflowing.
 
     Reactive policies (torch's, :class:`ScalePolicy`) grow the scale every ``growth_interval``
     clean steps until a step overflows, skip that step and back off, over and over. This
@@ -184,8 +183,6 @@ class HeadroomPolicy(Policy):
     first_scale: float = 1.0
     min_scale: float | None = None
     max_scale: float | None = None
-
-    measuring = True
 
     def __post_init__(self) -> None:
         margin = require_number("margin", self.margin)
@@ -326,54 +323,6 @@ class HeadroomPolicy(Policy):
         from .meter import HeadroomMeter  # the meter needs the taps, which need torch.nn
 
         return HeadroomMeter(self, iteration, agreed=agreed)
-
-    def torch_rule(self) -> TorchRule:
-        """Its backoff factor, and ``recovery_interval`` as the growth interval: torch's scaler,
-        loading its checkpoint, grows as rarely as the policy recovers from an overflow."""
-        return TorchRule(2.0, self.backoff_factor, self.recovery_interval)
-
-    def with_rule(self, funcname: str, **changes: Any) -> Policy:
-        """Refused: the scale is set from measurements, not by a growth rule."""
-        raise ScalerUsageError(
-            f"{funcname}() changes the growth rule, but this scaler's policy is {self}, which "
-            "sets the scale from measured gradients and has no growth rule; construct the "
-            "scaler with the HeadroomPolicy you want, or with policy=ScalePolicy(...) for "
-            "torch's rule."
-        )
-
-    def settings(self) -> dict[str, Any]:
-        """ampscaler's usual keys (every overflow backs off: hysteresis 1; an inf/NaN loss
-        does not), and its own settings as ``headroom.<name>``. The usual keys are those of
-        every built-in policy, so that a ``torch.distributed.checkpoint`` template of one
-        policy finds them in another's checkpoint and the load reaches the policy check."""
-        own = {f"headroom.{name}": value for name, value in self.config().items()}
-        rule = {"hysteresis": 1, "min_scale": self.min_scale, "max_scale": self.max_scale}
-        return {**rule, "dynamic": True, "backoff_on_nonfinite_loss": False, **own}
-
-    def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """``headroom``: its settings and its own state, beside ampscaler's usual keys."""
-        usual = {k: v for k, v in self.settings().items() if not k.startswith("headroom.")}
-        return {**usual, "_hysteresis_tracker": 1, "headroom": {**self.config(), **values}}
-
-    def from_checkpoint(self, saved: Mapping[str, Any]) -> tuple[HeadroomPolicy, dict[str, Any]]:
-        """The policy and its state from ``headroom``.
-
-        Raises:
-            InvalidConfigError: no ``headroom`` section (a checkpoint loaded through a template
-                made by a scaler with another policy, such as a DCP ``state_dict`` template), or
-                one with invalid values.
-        """
-        section = saved.get("headroom")
-        if not isinstance(section, Mapping):
-            raise InvalidConfigError(
-                "the checkpoint was saved with a HeadroomPolicy, but holds no 'headroom' section "
-                f"with its settings and measurements (got {section!r}). When loading through "
-                "a template (torch.distributed.checkpoint), make the template with a scaler "
-                "constructed with policy=HeadroomPolicy(...), so that it has the section."
-            )
-        policy = self.with_config(section)
-        assert isinstance(policy, HeadroomPolicy)  # with_config makes one of its own kind
-        return policy, policy.own_values(section)
 
     def adjust(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None

@@ -47,14 +47,13 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..errors import InvalidConfigError, ScalerUsageError
+from ..errors import InvalidConfigError
 from .base import (
     LOWEST_SCALE,
     BasicState,
     Policy,
     PolicyState,
     PowerOfTwo,
-    TorchRule,
     check_scale,
     float32_value,
     pow2_exponent,
@@ -83,7 +82,7 @@ class ScaleState(NamedTuple):
     hysteresis_left: torch.Tensor
 
 
-def _saved_int(name: str, value: object, minimum: int, maximum: int) -> int:
+def saved_int(name: str, value: object, minimum: int, maximum: int) -> int:
     """A counter from a checkpoint: torch accepts ``3``, ``3.0``, ``np.int64(3)``,
     ``tensor(3)``; it must fit the tensor it is loaded into."""
     return require_int(name, value, minimum, maximum, integral_floats=True)
@@ -315,66 +314,6 @@ class ScalePolicy(Policy):
         floor = None if self.min_scale is None else pow2_exponent(float32_value(self.min_scale))
         return PowerOfTwo(drop=-backoff, floor=floor)
 
-    # ------------------------------------------------------------------ torch's names
-
-    def torch_rule(self) -> TorchRule:
-        """Its own numbers."""
-        return TorchRule(self.growth_factor, self.backoff_factor, self.growth_interval)
-
-    def with_rule(self, funcname: str, **changes: Any) -> ScalePolicy:
-        """This rule with ``changes`` (validated)."""
-        return dataclasses.replace(self, **changes)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def settings(self) -> dict[str, Any]:
-        """The rest of the rule, beside torch's numbers (``dynamic``: the scale moves)."""
-        return {
-            "hysteresis": self.hysteresis,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "dynamic": True,
-            "backoff_on_nonfinite_loss": self.backoff_on_nonfinite_loss,
-        }
-
-    def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """ampscaler's keys beside torch's: the rest of the rule, and the hysteresis budget."""
-        return {**self.settings(), "_hysteresis_tracker": values["hysteresis_left"]}
-
-    def from_checkpoint(self, saved: Mapping[str, Any]) -> tuple[ScalePolicy, dict[str, Any]]:
-        """The rule from torch's keys, and from ampscaler's where present (this policy's own
-        values where not), and the hysteresis budget."""
-        policy = ScalePolicy(
-            growth_factor=saved["growth_factor"],
-            backoff_factor=saved["backoff_factor"],
-            growth_interval=saved["growth_interval"],
-            hysteresis=saved.get("hysteresis", self.hysteresis),
-            min_scale=saved.get("min_scale", self.min_scale),
-            max_scale=saved.get("max_scale", self.max_scale),
-            backoff_on_nonfinite_loss=saved.get(
-                "backoff_on_nonfinite_loss", self.backoff_on_nonfinite_loss
-            ),
-        )
-        budget = _saved_int(
-            "_hysteresis_tracker", saved.get("_hysteresis_tracker", policy.hysteresis), 0, INT32_MAX
-        )
-        if budget > policy.hysteresis:
-            raise InvalidConfigError(
-                f"_hysteresis_tracker must not exceed hysteresis ({policy.hysteresis}), got "
-                f"{budget}."
-            )
-        return policy, {"hysteresis_left": budget}
-
-    def from_torch_dict(self, saved: Mapping[str, Any]) -> ScalePolicy:
-        """torch's keys replace the rule's numbers; hysteresis and bounds stay as constructed."""
-        return dataclasses.replace(
-            self,
-            growth_factor=saved["growth_factor"],
-            backoff_factor=saved["backoff_factor"],
-            growth_interval=saved["growth_interval"],
-        )
-
-
 def _scale_state(state: PolicyState) -> ScaleState:
     if not isinstance(state, ScaleState):
         raise TypeError(
@@ -419,35 +358,3 @@ class StaticPolicy(Policy):
     def power_of_two(self) -> PowerOfTwo:
         """The scale never moves: whatever it is, it stays."""
         return PowerOfTwo(drop=0, floor=None)
-
-    def with_rule(self, funcname: str, **changes: Any) -> Policy:
-        """Refused: the scale never moves.
-
-        Raises:
-            ScalerUsageError: always.
-        """
-        raise ScalerUsageError(
-            f"{funcname}() changes the dynamic rule, but this scaler's policy is {self}, whose "
-            "scale never moves; construct the scaler with policy=ScalePolicy(...) to use a "
-            "dynamic scale."
-        )
-
-    def settings(self) -> dict[str, Any]:
-        """``dynamic: False``, and the neutral rest of the rule (the keys every built-in
-        policy saves)."""
-        return {
-            "hysteresis": 1,
-            "min_scale": None,
-            "max_scale": None,
-            "dynamic": False,
-            "backoff_on_nonfinite_loss": True,
-        }
-
-    def checkpoint_entries(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """Saved as ``dynamic: False`` (torch's default rule under torch's keys: torch's scaler
-        has no static mode, and needs the keys)."""
-        return {**self.settings(), "_hysteresis_tracker": 1}
-
-    def from_checkpoint(self, saved: Mapping[str, Any]) -> tuple[StaticPolicy, dict[str, Any]]:
-        """Nothing to restore beyond the scale."""
-        return StaticPolicy(), {}

@@ -1,0 +1,347 @@
+"""The one hook protocol: how optional features plug into an iteration of the scaler.
+
+A :class:`Hook` is told about a few named moments of one iteration. Every moment is a no-op
+on the base class; a hook overrides the ones it needs, and the scaler calls a hook only at the
+moments it overrides (:class:`HookList` keeps one tuple per moment), so a hook that is not due
+costs nothing::
+
+    scale(loss)  ──▶ at_scale        every scale() call (eagerly)
+    unscale_/step──▶ before_check    the optimizer's scaled gradients, before the check
+                 ──▶ after_check     the checked gradients; a returned flag > 0 vetoes the step
+                 ──▶ after_step      the step's outcome (plain: known; fused: a device flag)
+                 ──▶ on_skip         a step known on the host to have skipped for inf/NaN
+    update()     ──▶ before_update   before the policy moves (a measurement goes in here)
+                 ──▶ after_update    the iteration has ended and been counted
+                 ──▶ periodic        every so many updates (eagerly), as the hook asks
+
+What a hook receives is the scaler's own record of the iteration
+(:class:`~ampscaler.iteration.Iteration`, :class:`~ampscaler.iteration.OptimizerRecord`) and
+its live state (:class:`~ampscaler.state.LiveState`); a hook that only observes reads them
+and changes nothing. Guards (:mod:`ampscaler.guards`), the observers (:mod:`ampscaler.observe`)
+and a measuring policy's meter (:class:`MeterHook`) plug in this way; so does a hook of your
+own, with :meth:`GradScaler.attach <ampscaler.GradScaler.attach>`.
+
+Example:
+    >>> import torch, ampscaler
+    >>> class CountSkips(ampscaler.Hook):
+    ...     def __init__(self):
+    ...         self.skips = 0
+    ...     def on_skip(self, iteration, record, live):
+    ...         self.skips += 1
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaler = ampscaler.GradScaler("cpu")
+    >>> counter = scaler.attach(CountSkips())
+    >>> scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+    >>> scaler.step(opt)
+    >>> scaler.update()
+    >>> counter.skips
+    1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from .errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from .distributed import RankAgreement
+    from .grads.collect import GradGroups
+    from .iteration import Iteration, OptimizerRecord
+    from .policy.base import Meter
+    from .state import LiveState
+
+__all__ = ["MOMENTS", "Check", "Hook", "HookList", "MeterHook"]
+
+#: The moments of an iteration, in the order they come.
+MOMENTS = (
+    "at_scale",
+    "before_check",
+    "after_check",
+    "after_step",
+    "on_skip",
+    "before_update",
+    "after_update",
+    "periodic",
+)
+
+
+class Check(NamedTuple):
+    """What :meth:`Hook.after_check` is given about one optimizer's check.
+
+    Attributes:
+        iteration: the iteration in progress (its losses: :meth:`~ampscaler.iteration.
+            Iteration.loss`).
+        record: the optimizer's record (``record.optimizer``; ``record.found_inf`` is not set
+            yet).
+        groups: the gradients as checked, by device and dtype.
+        unscaled_by: dividing the checked gradients by this gives the true ones (0-dim, on the
+            scale's device).
+        live: the scaler's live state.
+        agreement: the scaler's rank agreement (``None``: no ``process_group``), for a hook
+            whose verdict must be the same on every rank.
+    """
+
+    iteration: Iteration
+    record: OptimizerRecord
+    groups: GradGroups
+    unscaled_by: torch.Tensor
+    live: LiveState
+    agreement: RankAgreement | None
+
+
+class Hook:
+    """One plug-in of a :class:`~ampscaler.GradScaler`: override the moments you need (module
+    docstring); the scaler never calls the others. Eager moments run outside
+    ``torch.compile`` only (``at_scale``, ``on_skip``, ``periodic``); the others also run in
+    a compiled ``unscale_``/``update()``, where they must not read values on the host."""
+
+    def at_scale(self, iteration: Iteration) -> None:
+        """``scale()`` was called in ``iteration`` (every call)."""
+
+    def before_check(self, record: OptimizerRecord, scale: torch.Tensor) -> None:
+        """``record.optimizer``'s gradients are about to be checked; they are still scaled by
+        ``scale`` (the live scale tensor)."""
+
+    def after_check(self, check: Check) -> torch.Tensor | None:
+        """An optimizer's gradients were checked (and unscaled). Return a flag (0-dim float32,
+        > 0: skip this step although the gradients are finite; the scale does not back off),
+        or ``None`` for no say. Must not read the device."""
+        return None
+
+    def after_step(self, iteration: Iteration, record: OptimizerRecord, live: LiveState) -> None:
+        """``step()`` decided for ``record.optimizer``: ``record.outcome`` says whether it
+        stepped (a flag still on the device for a fused optimizer)."""
+
+    def on_skip(self, iteration: Iteration, record: OptimizerRecord, live: LiveState) -> None:
+        """``record.optimizer``'s gradients held inf/NaN, known on the host (a plain step that
+        skipped, or ``unscale_()`` that read its flag): the gradients are as the check saw
+        them. ``record.origin`` says where it came from."""
+
+    def before_update(self, iteration: Iteration, live: LiveState) -> None:
+        """``update()`` is about to move the state (by the policy, or to ``new_scale``:
+        ``iteration.by_policy`` says which); a hook that measures for the policy sets
+        ``iteration.measured`` here. A hook at this moment makes ``update()`` run eagerly under
+        ``torch.compile``."""
+
+    def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
+        """``iteration`` ended: its outcome is set (``found_inf``, ``spiked``, ``scale``,
+        ``new_scale``) and the counters have counted it (``compiling``: under
+        ``torch.compile``)."""
+
+    def periodic(self, iteration: Iteration, live: LiveState, updates: int) -> int:
+        """Called after an eager ``update()`` when due, ``updates`` updates after it was last
+        called; returns how many updates from now it is due next (``>= 1``). First due after
+        one update."""
+        return NEVER
+
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
+        """``scaler.watch()`` was given ``model`` (names prefixed by ``prefix``)."""
+
+    def adopt(self, plugin: object) -> bool:
+        """Take ``plugin`` (given to :meth:`GradScaler.attach <ampscaler.GradScaler.attach>`)
+        under this hook's care if it is of the kind the hook holds (guards, probes...);
+        whether it did."""
+        return False
+
+    def release(self, plugin: object) -> bool:
+        """Let go of ``plugin`` if this hook holds it (:meth:`GradScaler.detach
+        <ampscaler.GradScaler.detach>`); whether it did."""
+        return False
+
+    def save(self) -> dict[str, Any]:
+        """What ``state_dict()`` holds for this hook (keys beside the scaler's own)."""
+        return {}
+
+    def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None] | None:
+        """Validate this hook's part of ``state_dict``; returns what restores it (nothing
+        changes before that is called), or ``None`` for nothing to restore.
+
+        Raises:
+            InvalidStateDictError: its part does not fit the hook.
+        """
+        return None
+
+    def moments(self) -> Collection[str]:
+        """The moments this hook is due at: by default those its class overrides. A hook whose
+        needs change with what it holds overrides this and calls :meth:`changed` after a
+        change."""
+        return [moment for moment in MOMENTS if _overrides(self, moment)]
+
+    def changed(self) -> None:
+        """Tell the scaler that :meth:`moments` changed (the hook list replaces this method
+        with one that sorts the hook again)."""
+
+
+#: ``periodic``'s answer for "not again".
+NEVER = 1 << 30
+
+
+def _overrides(hook: Hook, moment: str) -> bool:
+    return getattr(type(hook), moment, None) is not getattr(Hook, moment)
+
+
+@dataclass
+class _Periodic:
+    """A periodic hook, the updates until it is due, and since it was last called."""
+
+    hook: Hook
+    left: int = 1
+    since: int = 0
+
+
+class HookList:
+    """A scaler's hooks in the order they were added, and for each moment those that override
+    it (plain tuples: the scaler loops over them; an empty one costs a loop over nothing).
+
+    Example:
+        >>> class OnSkip(Hook):
+        ...     def on_skip(self, iteration, record, live): ...
+        >>> hooks = HookList()
+        >>> hook = hooks.add(OnSkip())
+        >>> hooks.on_skip == (hook,), hooks.after_update
+        (True, ())
+    """
+
+    at_scale: tuple[Hook, ...] = ()
+    before_check: tuple[Hook, ...] = ()
+    after_check: tuple[Hook, ...] = ()
+    after_step: tuple[Hook, ...] = ()
+    on_skip: tuple[Hook, ...] = ()
+    before_update: tuple[Hook, ...] = ()
+    after_update: tuple[Hook, ...] = ()
+
+    def __init__(self) -> None:
+        self._hooks: list[Hook] = []
+        self._periodic: list[_Periodic] = []
+        #: Eager updates until a periodic hook is due (counted down by the scaler).
+        self.due_in = NEVER
+        self._elapsed = NEVER  # due_in as last set
+
+    def __iter__(self) -> Iterator[Hook]:
+        return iter(list(self._hooks))
+
+    def add(self, hook: Hook) -> Hook:
+        """Add ``hook`` after the others.
+
+        Raises:
+            TypeError: not a :class:`Hook`. InvalidConfigError: added already.
+        """
+        if not isinstance(hook, Hook):
+            raise TypeError(f"a hook must subclass ampscaler.Hook, got {type(hook).__name__}.")
+        if any(existing is hook for existing in self._hooks):
+            raise InvalidConfigError(f"{hook!r} is attached to this scaler already.")
+        self._hooks.append(hook)
+        hook.changed = self._sort  # type: ignore[method-assign]
+        self._sort()
+        return hook
+
+    def remove(self, hook: Hook) -> None:
+        """Remove ``hook``.
+
+        Raises:
+            ValueError: it is not in the list.
+        """
+        if not any(existing is hook for existing in self._hooks):
+            raise ValueError(f"{hook!r} is not attached to this scaler; see scaler.attach().")
+        self._hooks = [existing for existing in self._hooks if existing is not hook]
+        del hook.changed
+        self._sort()
+
+    def find(self, kind: type[Any]) -> Any:
+        """The first hook that is a ``kind``, or ``None``."""
+        return next((hook for hook in self._hooks if isinstance(hook, kind)), None)
+
+    def the(self, kind: type[Any], make: Callable[[], Hook]) -> Any:
+        """The first hook that is a ``kind``, added (``make()``) if there is none."""
+        found = self.find(kind)
+        return self.add(make()) if found is None else found
+
+    def run_periodic(self, iteration: Iteration, live: LiveState) -> None:
+        """Call the periodic hooks that are due (:attr:`due_in` has counted down to 0), and
+        set :attr:`due_in` to the next one."""
+        self._count_elapsed()
+        for entry in self._periodic:
+            if entry.left <= 0:
+                entry.left = max(1, entry.hook.periodic(iteration, live, entry.since))
+                entry.since = 0
+        self._set_due_in()
+
+    def _count_elapsed(self) -> None:
+        elapsed = self._elapsed - self.due_in
+        for entry in self._periodic:
+            entry.left -= elapsed
+            entry.since += elapsed
+        self._elapsed = self.due_in
+
+    def _set_due_in(self) -> None:
+        self.due_in = self._elapsed = min((e.left for e in self._periodic), default=NEVER)
+
+    def _sort(self) -> None:
+        self._count_elapsed()
+        due = {id(hook): set(hook.moments()) for hook in self._hooks}
+        for moment in MOMENTS[:-1]:
+            setattr(self, moment, tuple(h for h in self._hooks if moment in due[id(h)]))
+        kept = {id(entry.hook): entry for entry in self._periodic}
+        self._periodic = [
+            kept.get(id(hook)) or _Periodic(hook)
+            for hook in self._hooks
+            if "periodic" in due[id(hook)]
+        ]
+        self._set_due_in()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"hooks": self._hooks}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        for hook in state["hooks"]:
+            self.add(hook)
+
+
+class MeterHook(Hook):
+    """A measuring policy's meter (:class:`~ampscaler.policy.Meter`) as a hook: it starts at
+    ``scale()``, measures before each check, hands the measurement to the policy before the
+    update (agreed across ranks by ``agree``, when given) and moves on after it.
+
+    Args:
+        meter: the policy's meter.
+        agreement: the scaler's rank agreement, which max-reduces a measurement over its
+            process group (one all_reduce of one value, on measured iterations only: every
+            rank follows the same schedule); ``None``: one rank.
+    """
+
+    def __init__(self, meter: Meter, agreement: RankAgreement | None = None) -> None:
+        self.meter = meter
+        self._agreement = agreement
+
+    def at_scale(self, iteration: Iteration) -> None:
+        self.meter.start()
+
+    def before_check(self, record: OptimizerRecord, scale: torch.Tensor) -> None:
+        self.meter.measure(record.optimizer)
+
+    def before_update(self, iteration: Iteration, live: LiveState) -> None:
+        if not iteration.by_policy:  # update(new_scale): the policy is not consulted
+            self.meter.skip()
+            return
+        measured = self.meter.take(live.device)
+        if measured is not None and self._agreement is not None:
+            measured = self._agreement.launch(measured)
+            self._agreement.settle()
+        iteration.measured = measured
+
+    def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
+        if iteration.by_policy:
+            self.meter.advance()
+
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
+        self.meter.watch(model, prefix)
+
+    def __repr__(self) -> str:
+        return f"MeterHook({self.meter!r})"
