@@ -113,6 +113,13 @@ def _new_scale_on_rank_1(rank: int, scaler: Any, step: int) -> None:
         scaler._scale.fill_(8.0)
 
 
+def _same_scale_on_rank_1(rank: int, scaler: Any, step: int) -> None:
+    """Rank 1 writes its scale with the value it holds (and every rank holds): the state
+    agrees, the programs do not."""
+    if step == LOAD_AT and rank == 1:
+        scaler._scale.fill_(scaler.get_scale())
+
+
 def _gradless(rank: int, fused: bool, beside: bool) -> Seen:
     """An optimizer whose parameters have no gradient on any rank, alone or ``beside`` one
     that has them."""
@@ -178,6 +185,9 @@ for _fused, _name in ((False, "sgd"), (True, "fused")):
         ),
         f"scale_written_on_one_rank_{_name}": lambda r, w, f=_fused: _train(
             r, f, _new_scale_on_rank_1
+        ),
+        f"scale_rewritten_on_one_rank_{_name}": lambda r, w, f=_fused: _train(
+            r, f, _same_scale_on_rank_1
         ),
         f"gradless_everywhere_{_name}": lambda r, w, f=_fused: _gradless(r, f, beside=False),
         f"gradless_beside_{_name}": lambda r, w, f=_fused: _gradless(r, f, beside=True),

@@ -82,6 +82,21 @@ def test_ranks_that_differ_get_the_same_error_on_every_rank_within_seconds(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_write_on_one_rank_is_found_even_of_the_value_every_rank_holds(
+    ranks: list[dict[str, Any]], kind: str
+) -> None:
+    """The state is hashed anew only after a write other than the scaler's own update; a
+    write on one rank only is then a difference of programs, as a reload on one rank is."""
+    errors = set()
+    for seen in _both(ranks, f"scale_rewritten_on_one_rank_{kind}"):
+        assert seen.error is not None and seen.error.startswith("InvalidConfigError: ")
+        assert "though they agree again now" in seen.error, seen.error
+        _raised_where_expected(seen, kind)
+        errors.add(seen.error)
+    assert len(errors) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_same_checkpoint_on_every_rank_trains_on_as_one_process(
     ranks: list[dict[str, Any]], kind: str
 ) -> None:

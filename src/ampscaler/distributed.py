@@ -24,9 +24,14 @@ becomes the same error on every rank instead of a hang until the group's timeout
   this rank held any of its gradients, and a fingerprint ``f`` as ``(f, -f)``, so that the
   maximum shows whether every rank had the same. The fingerprint hashes the scaler's settings
   (as of the first step and of each load), its live state tensors (scale, growth tracker and
-  the policy's own, as they are at this step) and how often ``load_state_dict()`` was called.
-  Started as soon as the gradients are checked, waited on only where the step decision needs
-  it;
+  the policy's own) and how often ``load_state_dict()`` was called. The state is hashed at the
+  first step, after a load, and whenever something other than the scaler's own policy
+  transition wrote it since (``update(new_scale)``, a setter, a write to the tensor: their
+  version counters say so); in between, the last hash is sent again (ranks that held the same
+  state and moved it by the same agreed transition still hold the same state), so a steady
+  step adds no device work for it. A write on one rank only is therefore found even where it
+  wrote what the others hold, as a load on one rank only is. Started as soon as the gradients
+  are checked, waited on only where the step decision needs it;
 * when the fingerprints differed (a rank loaded another checkpoint, or loaded when the others
   did not, or was configured or moved differently): one gather of the settings per group, to
   name the differences in the :class:`~ampscaler.InvalidConfigError` every rank then raises.
@@ -91,9 +96,11 @@ LOADS = "load_state_dict() calls"
 #: Fingerprints are taken modulo this prime (the largest below 2**24): float32 holds them exactly.
 _PRIME = 16777213
 
-#: The slots of a verdict: the inf flag, the loss flag, whether the rank held gradients, the
+#: The slots of a verdict: the loss flag, whether the rank held gradients, the inf flag, the
 #: fingerprint and its negation (the max of the negation is minus the smallest fingerprint).
-_FLAG, _LOSS, _HELD, _PRINT, _NEG_PRINT = range(5)
+#: The last three are adjacent: after the max, their sum is the inf flag plus how far the
+#: largest fingerprint is above the smallest (one sum folds a mismatch into the flag).
+_LOSS, _HELD, _FLAG, _PRINT, _NEG_PRINT = range(5)
 
 
 class Origins(NamedTuple):
@@ -272,11 +279,11 @@ class RankAgreement:
         self._refuse_unchecked = refuse_unchecked
         self._pending: list[dist.Work] = []
         self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
-        self._verdicts: list[torch.Tensor] = []  # launched, not yet settled
-        # Whether a verdict settled since the last check had differing fingerprints (a bool on
-        # the device), and the same on its way to the host (for the check at the next agree()).
-        self._mismatch: torch.Tensor | None = None
-        self._landing: HostCopy | None = None
+        # Launched, not yet settled: each verdict, and its agreed inf flag (a view of it).
+        self._verdicts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Copies, on their way to the host, of verdicts settled since the last check that no
+        # decide() read (fused steps): their fingerprints are compared at the next agree().
+        self._landing: list[HostCopy] = []
         # The settings and state tensors the verdicts fingerprint: taken at the first verdict
         # and after each load (the tensors are the live ones, read at every verdict).
         self._compared: _Compared | None = None
@@ -353,14 +360,14 @@ class RankAgreement:
         loss_nonfinite: torch.Tensor | None,
         device: torch.device,
         settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
         """Start agreeing on one optimizer's inf flag from the check (``None``: this rank held
         none of its gradients, and takes part with a clean flag) and on the iteration's loss
         flag (``None``: no loss kept; a clean flag).
 
-        Returns ``(local, agreed)``: ``found_inf`` as given, and the tensor that holds the
-        groups' two verdicts, ``[found_inf, loss_nonfinite]``, once :meth:`settle` has
-        returned. The verdict carries a fingerprint of
+        Returns ``(local, agreed)``: ``found_inf`` as given, and the groups' two verdicts,
+        ``(found_inf, loss_nonfinite)`` (0-dim views of one tensor), which hold the agreed
+        values once :meth:`settle` has returned. The verdict carries a fingerprint of
         ``settings()`` (the configuration and the live state) and of the checkpoint loads, so
         that ranks that differ are found in this reduction (module docstring). First, if an
         earlier verdict found differing fingerprints that no ``decide()`` has read yet, waits
@@ -376,11 +383,23 @@ class RankAgreement:
         flag = no if found_inf is None else found_inf.to(torch.float32)
         loss = no if loss_nonfinite is None else loss_nonfinite.to(device, torch.float32)
         held = no if found_inf is None else yes
-        fingerprint = self._compared.fingerprint(device)
-        verdict = torch.stack([flag, loss.reshape(()), held, fingerprint, -fingerprint])
+        fingerprint, negated = self._compared.fingerprint(device)
+        if loss.dim():
+            loss = loss.reshape(())
+        verdict = torch.stack([loss, held, flag, fingerprint, negated])
         self._reduce_max(verdict)
-        self._verdicts.append(verdict)
-        return found_inf, verdict[_FLAG : _LOSS + 1]
+        agreed = verdict[_FLAG]
+        self._verdicts.append((verdict, agreed))
+        return found_inf, (agreed, verdict[_LOSS])
+
+    def note_update(self) -> None:
+        """The scaler's policy has just moved the state, eagerly, by the transition every rank
+        applies to the same state with the same agreed flags: the ranks that held the same
+        state still do, so the next verdict sends the last fingerprint again instead of hashing
+        the state anew (module docstring). Not for ``update(new_scale)``, a setter or a load.
+        No device work."""
+        if self._compared is not None:
+            self._compared.note_transition()
 
     def note_load(self) -> None:
         """A checkpoint was loaded on this rank: the ranks compare what they hold at the next
@@ -427,14 +446,10 @@ class RankAgreement:
         With gloo (CPU) this blocks the host until the reductions are done; with NCCL it only
         makes the current stream wait for them. No host sync.
         """
-        settled = self._settle()
-        for verdict in settled:
-            self._fold(verdict)
-        if settled:  # what was found starts on its way to the next agree()'s check
-            assert self._mismatch is not None
-            self._landing = HostCopy(self._mismatch, 0)
+        for verdict, agreed in self._settle():
+            self._fold(verdict, agreed)
 
-    def _settle(self) -> list[torch.Tensor]:
+    def _settle(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Wait for every reduction launched so far; the verdicts that settled."""
         for work in self._pending:
             work.wait()
@@ -442,12 +457,14 @@ class RankAgreement:
         settled, self._verdicts = self._verdicts, []
         return settled
 
-    def _fold(self, verdict: torch.Tensor) -> None:
-        """A verdict nobody reads now (its kernel takes the flag): if its fingerprints differ,
-        set its flag on the device (the step is skipped) and keep that for the check."""
-        differ = verdict[_PRINT] + verdict[_NEG_PRINT] != 0  # max != min
-        verdict[_FLAG].masked_fill_(differ, 1.0)
-        self._mismatch = differ if self._mismatch is None else self._mismatch | differ
+    def _fold(self, verdict: torch.Tensor, agreed: torch.Tensor) -> None:
+        """A verdict nobody reads now (its kernel takes the flag ``agreed``): if its
+        fingerprints differ, set the flag on the device (the step is skipped), and start the
+        verdict on its way to the next agree()'s check. Three small device ops and a copy."""
+        # flag + (max - min) of the fingerprints: exact integers in float32; > 0 is a skip,
+        # and the kernels take exactly 1.0 for one.
+        torch.clamp(verdict[_FLAG:].sum(), max=1.0, out=agreed)
+        self._landing.append(HostCopy(verdict, 0))
 
     def decide(
         self,
@@ -471,15 +488,17 @@ class RankAgreement:
                 without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
         """
         mine = _verdict_of(agreed)
-        for verdict in self._settle():  # this one is read here; others' kernels take theirs
-            if verdict is not mine:
-                self._fold(verdict)
-        skip = agreed if spike is None else torch.maximum(agreed, spike)
-        earlier = [] if self._mismatch is None else [self._mismatch]
-        read = read_values([mine, skip, *earlier])
-        self._mismatch = self._landing = None
-        verdict, skipped = read[0], read[1]
-        if verdict[_PRINT] != -verdict[_NEG_PRINT] or any(read[2:]):
+        for settled, flag in self._settle():  # this one is read here; others' kernels take theirs
+            if settled is not mine:
+                self._fold(settled, flag)
+        verdict: list[float]
+        if spike is None:  # the verdict says it all: one read
+            verdict = mine.tolist()
+            skipped = verdict[_FLAG]
+        else:
+            verdict, skipped = read_values([mine, torch.maximum(agreed, spike)])
+        earlier = self._landed_differ()  # fused verdicts settled since the last check
+        if _differ(verdict) or earlier:
             self._stop(settings)
         if self._refuse_unchecked and verdict[_HELD] <= 0:
             raise ScalerUsageError(NO_GRADIENTS)
@@ -531,12 +550,14 @@ class RankAgreement:
     def _check_landed(self, settings: Callable[[], Mapping[str, SettingValue]]) -> None:
         """Raise on every rank if a verdict settled since the last check had differing
         fingerprints (waiting for its copy, which has normally landed long ago)."""
-        landing = self._landing
-        if landing is None:
-            return
-        self._mismatch = self._landing = None
-        if landing.wait():
+        if self._landing and self._landed_differ():
             self._stop(settings)
+
+    def _landed_differ(self) -> bool:
+        """Whether a verdict on its way since the last check had differing fingerprints
+        (waiting for the copies, normally landed long ago); forgets them."""
+        landing, self._landing = self._landing, []
+        return any(_differ(copy.wait()) for copy in landing)
 
     def _stop(self, settings: Callable[[], Mapping[str, SettingValue]]) -> None:
         """Every rank found differing fingerprints in the same verdict: compare the
@@ -559,9 +580,7 @@ class RankAgreement:
     def __deepcopy__(self, memo: dict[int, Any]) -> RankAgreement:
         # Process groups cannot be copied: a copied scaler agrees over the same groups.
         twin = RankAgreement.__new__(RankAgreement)
-        twin.__dict__.update(
-            self.__dict__, _pending=[], _verdicts=[], _mismatch=None, _landing=None, _compared=None
-        )
+        twin.__dict__.update(self.__dict__, _pending=[], _verdicts=[], _landing=[], _compared=None)
         return twin
 
     def __getstate__(self) -> dict[str, Any]:
@@ -579,6 +598,11 @@ NO_GRADIENTS = (
 )
 
 
+def _differ(verdict: list[float]) -> bool:
+    """Whether an agreed verdict, read on the host, shows differing fingerprints."""
+    return verdict[_PRINT] != -verdict[_NEG_PRINT]
+
+
 def _verdict_of(agreed: torch.Tensor) -> torch.Tensor:
     """The verdict agreed flags from :meth:`RankAgreement.agree` are slots of (the flags are
     views of it)."""
@@ -589,7 +613,8 @@ def _verdict_of(agreed: torch.Tensor) -> torch.Tensor:
 
 class _Compared:
     """What the verdicts fingerprint: the settings (hashed once, with the count of loads) and
-    the live state tensors among them (hashed on their device when they have changed)."""
+    the live state tensors among them (hashed on their device when something other than the
+    scaler's own transition has written them since the last hash)."""
 
     def __init__(self, settings: Mapping[str, SettingValue], loads: int) -> None:
         numbers = _plain_row({k: v for k, v in settings.items() if not isinstance(v, torch.Tensor)})
@@ -598,7 +623,9 @@ class _Compared:
         # Integer views of the live tensors (the same memory: they see every update).
         self._words = [_bits(tensor) for tensor in self._tensors]
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-        self._last: tuple[tuple[int, ...], torch.Tensor] | None = None
+        # The state tensors' version counters for which the last fingerprint (and its
+        # negation) stands: as hashed, or as the scaler's own transition left them since.
+        self._last: tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``0.0`` and ``1.0`` on ``device`` (made once: no copy to the device per verdict)."""
@@ -618,20 +645,31 @@ class _Compared:
             )
         return made
 
-    def fingerprint(self, device: torch.device) -> torch.Tensor:
-        """A 0-dim float32 in ``[0, 2**24)`` on ``device`` (exact in float32, so a max and a
-        min compare it): five small device operations when a state tensor has changed since
-        the last one (their version counters, read on the host, say so), none otherwise."""
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(tensor._version for tensor in self._tensors)
+
+    def note_transition(self) -> None:
+        """The scaler's own transition has just written the state: the last fingerprint stands
+        for the state as it is now (module docstring)."""
+        if self._last is not None:
+            self._last = (self._versions(), self._last[1])
+
+    def fingerprint(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(f, -f)``, 0-dim float32 with ``f`` in ``[0, 2**24)`` on ``device`` (exact in
+        float32, so a max and a min compare it): six small device operations when a state
+        tensor was written since the last one other than by the scaler's own transition
+        (their version counters, read on the host, say so), none otherwise."""
         versions = None
         if not torch.compiler.is_compiling():  # traced code does not read version counters
-            versions = tuple(tensor._version for tensor in self._tensors)
+            versions = self._versions()
             if self._last is not None and self._last[0] == versions:
                 return self._last[1]
         _, _, weights, code = self._made(device)
         words = torch.cat([*self._words, code])  # the state tensors live on ``device``
         fingerprint = (words * weights).sum().remainder(_PRIME).to(torch.float32)
-        self._last = None if versions is None else (versions, fingerprint)
-        return fingerprint
+        pair = (fingerprint, -fingerprint)
+        self._last = None if versions is None else (versions, pair)
+        return pair
 
 
 def _bits(value: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,8 @@ class Guard(Protocol):
 class _Window:
     """The last ``size`` values of ``rows`` quantities, on the device, with their mean and
     spread: one ``[rows, size]`` tensor, so that each step costs the same few operations
-    however many quantities are watched."""
+    however many quantities are watched (about a dozen in all: six to decide, eight to
+    append)."""
 
     def __init__(self, rows: int, size: int, device: torch.device) -> None:
         self.values = torch.zeros(rows, size, dtype=torch.float32, device=device)
@@ -111,7 +112,15 @@ class _Window:
 
     def exceeds(self, values: torch.Tensor, sigma: float, ready_after: int) -> torch.Tensor:
         """Whether any of ``values`` (one per row; NaN: none) is above ``mean + sigma * std``
-        of its row, in rows with at least ``ready_after`` values (a 0-dim bool; no sync)."""
+        of its row, in rows with at least ``ready_after`` values (a 0-dim bool; no sync).
+
+        When a row is ready only once its window is full (``ready_after >= size``, as with the
+        default warm-up), every value of a ready row counts: one fused mean and deviation
+        over the rows (``std_mean``), six small operations in all."""
+        if ready_after >= self._size:
+            std, mean = torch.std_mean(self.values, dim=1)
+            bar = torch.add(mean, std, alpha=sigma)
+            return ((self.count >= ready_after) & (values > bar)).any()
         held = self.count.clamp(max=self._size)
         valid = self._positions < held.unsqueeze(1)
         mean = torch.where(valid, self.values, 0.0).sum(1) / held.clamp(min=1)
@@ -144,12 +153,14 @@ class _Window:
         self.values.copy_(torch.tensor(state["values"], dtype=torch.float32))
         self.count.copy_(torch.tensor(state["count"], dtype=torch.int64))
 
-    def push(self, values: torch.Tensor, keep: torch.Tensor) -> None:
-        """Append each row's value where ``keep`` (bool per row), overwriting the oldest."""
+    def push(self, values: torch.Tensor, skipped: torch.Tensor) -> None:
+        """Append each row's value unless the step was ``skipped`` (a 0-dim bool) or the
+        value is not finite, overwriting the oldest: eight small operations."""
+        keep = values.sub(values).add_(skipped) == 0  # 0 where finite, NaN where not
         at = self.count % self._size
         current = self.values[self._rows, at]
         self.values.index_put_((self._rows, at), torch.where(keep, values, current))
-        self.count.add_(keep.to(torch.int64))
+        self.count.add_(keep)
 
 
 class SpikeGuard:
@@ -214,13 +225,18 @@ class SpikeGuard:
         self.warmup = window if warmup is None else warmup
         self._windows: dict[int, _Window] = {}
         self._pending: dict[int, torch.Tensor] = {}
+        self._unknown: dict[torch.device, torch.Tensor] = {}  # a NaN loss, made once per device
         # Windows from a loaded state dict, for the optimizers in the order they first step.
         self._restored: list[dict[str, Any]] = []
 
     def check(self, measured: StepMeasurements) -> torch.Tensor:
         """Whether the step spikes (a 0-dim bool tensor on the device; no sync)."""
         norm = measured.grad_norm
-        loss = torch.full_like(norm, math.nan) if measured.loss is None else measured.loss
+        loss = measured.loss
+        if loss is None:
+            loss = self._unknown.get(norm.device)
+            if loss is None:
+                loss = self._unknown[norm.device] = torch.full_like(norm, math.nan)
         values = torch.stack([norm, loss.to(norm.device, torch.float32)])
         key = id(measured.optimizer)
         window = self._windows.get(key)
@@ -234,8 +250,7 @@ class SpikeGuard:
     def end_iteration(self, skipped: torch.Tensor) -> None:
         """Put the iteration's values into the windows unless it was skipped (no sync)."""
         for key, values in self._pending.items():
-            window = self._windows[key]
-            window.push(values, ~skipped.to(values.device) & torch.isfinite(values))
+            self._windows[key].push(values, skipped.to(values.device))
         self._pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -277,17 +292,21 @@ class SpikeGuard:
 
 
 def _grad_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
-    """The L2 norm of every gradient in ``groups``, as they are now: one read-only pass,
-    accumulated in float32 so that float16 gradients cannot overflow it."""
-    squares = [
-        torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum().to(device)
+    """The L2 norm of every gradient in ``groups``, as they are now: one read-only pass (one
+    multi-tensor ``_foreach_norm`` per device and dtype), accumulated in float32 so that
+    float16 gradients cannot overflow it, and the norm of those norms (two small operations
+    per device and dtype)."""
+    norms: list[torch.Tensor] = [
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         for per_dtype in groups.values()
         for grads in per_dtype.values()
     ]
-    if not squares:
+    if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
-    total = squares[0] if len(squares) == 1 else torch.stack(squares).sum()
-    return total.sqrt()
+    if len(norms) == 1:
+        return norms[0].to(device)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    return total
 
 
 class GuardSet(Hook):

@@ -40,7 +40,8 @@ class HostCopy:
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record(torch.cuda.current_stream(tensor.device))
         else:
-            self._value = tensor.detach().to("cpu", copy=True)
+            held = tensor.detach() if tensor.requires_grad else tensor  # one op fewer
+            self._value = held.to("cpu", copy=True)
 
     def landed(self) -> bool:
         """Whether the values are on the host (never waits)."""

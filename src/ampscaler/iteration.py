@@ -235,12 +235,12 @@ class Iteration:
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
         """Keep a loss given to ``scale()`` (as given, until :meth:`let_go_of_losses`; no
         device work unless many are kept, when they are summed into one); with ``flag``, also
-        fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops; no host
-        sync)."""
+        fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops, a third
+        for a loss of several elements and from the second loss on; no host sync)."""
         losses = self.losses
         losses.append(loss)
         if flag:
-            bad = (~torch.isfinite(losses[-1]).all()).to(torch.float32)
+            bad = nonfinite_flag(loss)
             previous = self.local_loss_flag
             self.local_loss_flag = bad if previous is None else torch.maximum(previous, bad)
         if len(losses) > _KEEP_LOSSES:
@@ -266,7 +266,7 @@ class Iteration:
         """This rank's flag, a 0-dim float32 tensor > 0 iff a kept loss is inf/NaN (``None``:
         none kept). A few device ops; no host sync."""
         loss = self.loss()
-        return None if loss is None else (~torch.isfinite(loss)).to(torch.float32)
+        return None if loss is None else nonfinite_flag(loss)
 
     def cause_flag(self) -> torch.Tensor | None:
         """The loss flag the iteration's cause is told by: the agreed one with a
@@ -358,6 +358,20 @@ class Iteration:
                 "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
                 "for every optimizer of the iteration before scaler.update()."
             )
+
+
+def nonfinite_flag(values: torch.Tensor) -> torch.Tensor:
+    """``1.0`` if any of ``values`` is inf or NaN, else ``0.0``: a 0-dim float32 tensor, outside
+    any autograd graph (two small device ops for a 0-dim tensor, three otherwise; no host
+    sync).
+
+    Example:
+        >>> nonfinite_flag(torch.tensor([1.0, float("inf")])), nonfinite_flag(torch.tensor(2.0))
+        (tensor(1.), tensor(0.))
+    """
+    with torch.no_grad():  # values - values: 0 where finite, NaN where inf or NaN
+        zeroed = values.sub(values) if values.dim() == 0 else values.sub(values).sum()
+        return zeroed.nan_to_num_(nan=1.0).float()
 
 
 def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:

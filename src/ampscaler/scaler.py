@@ -661,6 +661,8 @@ class GradScaler(TorchPrivateNames):
         for hook in hooks.before_update:
             hook.before_update(iteration, live)
         old_scale = self._move(new_scale, found_inf, spiked, live, overflowed, compiling)
+        if new_scale is None and not compiling and self._agreement is not None:
+            self._agreement.note_update()  # every rank moved alike: no new fingerprint
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
             self._iteration = Iteration()
             return
