@@ -323,3 +323,28 @@ def test_the_loop_may_modify_outputs_in_place() -> None:
     for make_model in (Mlp, Float32Out):
         for ours, theirs in zip(grads(True, make_model), grads(False, make_model), strict=True):
             assert torch.equal(ours, theirs)
+
+
+def test_a_loss_computed_in_fp16_outside_the_model_underflows_as_without_a_scaler() -> None:
+    """The documented limit: a loss computed in fp16 from the (float32) outputs runs its
+    backward unscaled in fp16, so gradients below fp16's range flush to zero there, as with no
+    scaler at all; torch's loop, which scales that fp16 loss, keeps them."""
+
+    def grad(wrapped: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
+        if wrapped:
+            scaler.wrap(model, opt)
+        out = model(torch.ones(8, 4))
+        loss = (out.half() * 1e-8).sum()  # fp16: d(loss)/d(out) = 1e-8 flushes to 0 in fp16
+        if wrapped:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        return model.weight.grad  # type: ignore[return-value]
+
+    assert torch.count_nonzero(grad(wrapped=False)) == 4
+    assert torch.count_nonzero(grad(wrapped=True)) == 0
