@@ -1319,7 +1319,7 @@ class GradScaler(TorchPrivateNames):
             ScalerUsageError: (a ``RuntimeError``) this scaler already wraps a model; later, at
                 ``optimizer.step()``, gradients that no backward through ``model``'s outputs
                 produced. :class:`~ampscaler.wrap.HalfLossError` (one) at a forward that
-                returns a 0-dim half-precision tensor requiring grad (a loss computed in fp16).
+                returns a 0-dim float16 tensor requiring grad (a loss computed in fp16).
 
         See docs/loop-free.md for the limits and the costs.
         """

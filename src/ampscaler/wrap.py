@@ -54,10 +54,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class HalfLossError(ScalerUsageError):
-    """A wrapped model returned a 0-dim float16/bfloat16 tensor that requires grad: a loss
-    computed in half precision, whose backward runs unscaled in half precision (small gradients
-    flush to zero before any scale could help). Compute the loss in float32 (outside
-    ``torch.autocast``, or from ``.float()`` outputs)."""
+    """A wrapped model returned a 0-dim float16 tensor that requires grad: a loss computed in
+    float16, whose backward runs unscaled in float16 (small gradients flush to zero before any
+    scale could help). Compute the loss in float32 (outside ``torch.autocast``, or from
+    ``.float()`` outputs)."""
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -167,12 +167,12 @@ class LoopFree:
     def _scaled_output(self, output: torch.Tensor) -> torch.Tensor:
         if not (output.requires_grad and output.is_floating_point()):
             return output
-        if output.dtype in _HALF and output.dim() == 0:
+        if output.dtype is torch.float16 and output.dim() == 0:  # bfloat16 has float32's range
             raise HalfLossError(
                 f"The wrapped model returned a 0-dim {output.dtype} tensor that requires grad: "
-                "a loss computed in half precision, whose backward would run unscaled in half "
-                "precision. Compute the loss in float32: outside torch.autocast, or from "
-                "outputs cast with .float()."
+                "a loss computed in float16, whose backward would run unscaled in float16. "
+                "Compute the loss in float32: outside torch.autocast, or from outputs cast "
+                "with .float()."
             )
         return _ScaleGrad.apply(output, self)  # type: ignore[no-untyped-call,no-any-return]
 
