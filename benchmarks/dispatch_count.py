@@ -529,6 +529,75 @@ def one_pass_fused() -> Row:
     )
 
 
+#: micro-batches per iteration in the wrap rows
+WRAP_MICRO_BATCHES = 3
+
+
+def wrap_arm(layers: int, wrapped: bool) -> Callable[[Counter, int], None]:
+    """An iteration of the fp32-style loop (``WRAP_MICRO_BATCHES`` backwards, clipping,
+    ``optimizer.step()``) under ``scaler.wrap(model, optimizer)`` (``wrapped``), or the same
+    loop with torch's ``scale``/``unscale_``/``step``/``update`` written in. The forward, the
+    loss and the backward count as the ``backward`` phase in both arms, so the row charges
+    ampscaler with what its output hooks and end-of-backward multiplies add."""
+    parts: dict[str, Any] = {}
+
+    def iteration(counter: Counter, index: int) -> None:
+        if not parts:
+            torch.manual_seed(0)
+            model = MLP(layers)
+            optimizer = sgd(list(model.parameters()))
+            counted_step(counter, optimizer)
+            scaler = ampscaler.GradScaler("cpu") if wrapped else torch_scaler()
+            if wrapped:
+                scaler.wrap(model, optimizer)
+            parts.update(model=model, optimizer=optimizer, scaler=scaler)
+        model, optimizer, scaler = parts["model"], parts["optimizer"], parts["scaler"]
+        gen = torch.Generator().manual_seed(index)
+        for _ in range(WRAP_MICRO_BATCHES):
+            with counter.phase("backward"):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(torch.randn(4, 8, generator=gen))
+                loss = out.float().pow(2).mean() / WRAP_MICRO_BATCHES
+            if not wrapped:
+                with counter.phase("scale"):
+                    loss = scaler.scale(loss)
+            with counter.phase("backward"):
+                loss.backward()
+        if not wrapped:
+            with counter.phase("unscale_"):
+                scaler.unscale_(optimizer)
+        with counter.phase("user"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with counter.phase("step"):
+            if wrapped:
+                optimizer.step()  # the scaler's unscale_, step and update
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+        optimizer.zero_grad()
+
+    return iteration
+
+
+def wrapped_loop(layers: int) -> Row:
+    counts = [count_arm(wrap_arm(layers, wrapped)) for wrapped in (False, True)]
+    # Per micro-batch 1/S and the gradients x 1/S, and from the second on the gradients x S;
+    # at the step the gradients x S (the multiplies: per device and dtype). The output's
+    # float32 copy replaces the loop's .float(), its gradient x S torch's backward through
+    # loss x S; an output already float32 would cost one copy more per micro-batch.
+    allowance = 3 * WRAP_MICRO_BATCHES
+    return Row(
+        f"wrap: {2 * layers} tensors", "GradScaler", counts[0], counts[1],
+        f"scaler.wrap(model, optimizer), {WRAP_MICRO_BATCHES} micro-batches, clipping; torch's "
+        f"arm writes scale/unscale_/step/update in; the ceiling is torch's + {allowance}",
+        ceiling=counts[0].own + allowance,
+    )  # fmt: skip
+
+
+for _layers in (3, 15, 150):
+    configuration(f"wrap: {2 * _layers} tensors")(functools.partial(wrapped_loop, _layers))
+
+
 def run(names: list[str] | None = None) -> list[Row]:
     """The rows of the configurations ``names`` (all, by default), in the registry's order."""
     chosen = list(CONFIGURATIONS) if names is None else names

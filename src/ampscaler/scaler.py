@@ -77,6 +77,8 @@ from .precision import Bfloat16Watch
 from .replay import retry_scale
 from .state import HostState, LiveState, ScalerState, ScalerStats
 from .taps import WatchedModels
+from .wrap import unwrap as unwrap_loop
+from .wrap import wrap as wrap_loop
 
 if TYPE_CHECKING:
     from .observe.localize import OverflowReport
@@ -1344,6 +1346,61 @@ class GradScaler(TorchPrivateNames):
                 self._watched.add(model, prefix)
             for hook in self._hooks:
                 hook.watch(model, prefix)
+
+    def wrap(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> None:
+        """Scale a loop that never calls the scaler: ``loss.backward()``, clipping and
+        ``optimizer.step()`` as written for fp32 train in fp16 with this scaler.
+
+        Each output of ``model`` that requires grad has its gradient multiplied by the scale
+        in backward (float16/bfloat16 outputs come back as float32, so the loss is computed in
+        float32); after each backward the gradients are true (unscaled), so clipping and
+        logging see what they would without fp16; ``optimizer.step()`` runs this scaler's
+        ``unscale_()``, ``step()`` and, after the last wrapped optimizer, ``update()``. A step
+        the loop skips itself (on a non-finite gradient norm) still counts at the optimizer's
+        next ``zero_grad()``, so the scale backs off. State, policy, guards, sinks,
+        ``metrics()`` and checkpoints are this scaler's, as in the written-in loop, and with a
+        power-of-two scale (the default policy's) the run is that loop's bit for bit. Works with
+        DDP (wrap the DDP module), FSDP2 (wrap the root after ``fully_shard``) and FSDP1. The
+        loop must not call ``scale()``/``step()``/``update()`` itself. Disabled: does nothing.
+
+        Host syncs: those of the written-in loop (a plain optimizer's step decision reads one
+        flag); the backward hooks and the multiplications by the scale read nothing.
+
+        Example:
+            >>> import torch, ampscaler
+            >>> model = torch.nn.Linear(4, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> scaler = ampscaler.GradScaler("cpu", init_scale=1024.0)
+            >>> scaler.wrap(model, opt)
+            >>> with torch.autocast("cpu", dtype=torch.float16):
+            ...     out = model(torch.ones(2, 4))
+            >>> out.dtype                                   # the loss is computed in float32
+            torch.float32
+            >>> out.pow(2).mean().backward()
+            >>> _ = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            >>> opt.step()                                  # the scaler's step and update
+            >>> scaler.get_scale(), scaler.metrics()["scaler/steps"]
+            (1024.0, 1)
+            >>> scaler.unwrap()
+
+        Raises:
+            TypeError: not a module, or not optimizers.
+            ValueError: an optimizer holds parameters ``model`` does not own (their gradients
+                would never be scaled).
+            ScalerUsageError: (a ``RuntimeError``) this scaler already wraps a model; later, at
+                ``optimizer.step()``, gradients that no backward through ``model``'s outputs
+                produced. :class:`~ampscaler.wrap.HalfLossError` (one) at a forward that
+                returns a 0-dim float16 tensor requiring grad (a loss computed in fp16).
+
+        See docs/loop-free.md for the limits and the costs.
+        """
+        wrap_loop(self, model, optimizers)
+
+    def unwrap(self) -> None:
+        """Undo :meth:`wrap`: remove its hooks and give the optimizers their own ``step`` and
+        ``zero_grad`` back. The gradients are left true (unscaled). Not wrapped: does
+        nothing."""
+        unwrap_loop(self)
 
     @overload
     def on(self, event: Literal["collapse"], fn: CollapseCallback) -> Callable[[], None]: ...
