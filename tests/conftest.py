@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,15 @@ settings.load_profile("repeatable")
 # accelerator and finds none; transformers imports it, and doctests would see the line. Named, it
 # is found without a word.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# The engines' rank workers import their engine at module level (once, before the ranks are
+# forked); where an engine is not installed, --doctest-modules must not import them (the engine
+# tests themselves skip, saying how to install it).
+collect_ignore = [
+    worker
+    for worker, engine in (("deepspeed_ranks.py", "deepspeed"), ("megatron_ranks.py", "megatron"))
+    if importlib.util.find_spec(engine) is None
+]
 
 if TYPE_CHECKING:
     from ampscaler.demo.run import DemoOutcome
