@@ -60,7 +60,9 @@ _TORCH_ALIASES: dict[type[Policy], dict[str, str]] = {
 }
 #: Settings a built-in policy gained since ampscaler 0.1, and the setting whose value an older
 #: checkpoint's run had for it (a HeadroomPolicy's young history kept its one margin).
-_ADDED_SINCE_0_1: dict[type[Policy], dict[str, str]] = {HeadroomPolicy: {"first_margin": "margin"}}
+_ADDED_SINCE_0_1: dict[type[Policy], dict[str, str]] = {
+    HeadroomPolicy: {"first_margin": "margin"},
+}
 #: The built-in policies that save the rule's keys beside torch's (ampscaler 0.1's layout).
 _FLAT: tuple[type[Policy], ...] = (
     ScalePolicy,
