@@ -12,16 +12,29 @@ and strings never count.
   and state modules whose second argument names a policy or state class;
 - **settle calls**: calls of a method named ``settle`` outside ``state.py`` (the state settles
   itself on every read);
-- **long functions**: function bodies of more than 50 lines anywhere in the package.
+- **long functions**: function bodies of more than 50 lines anywhere in the package;
+- **a default iteration, traced** (:func:`trace_default_iteration`): ``scale``, ``backward``,
+  ``unscale_``, ``step``, ``update`` with nothing attached, the third iteration followed with
+  ``sys.setprofile``: which of the package's modules it enters, how many times a call goes from
+  one of its modules into another (a jump between files), and whether it runs anything of
+  ``observe/``;
+- **branches on optional parts**: ``self._x is None`` / ``is not None`` in ``scaler.py`` on an
+  attribute that holds an optional part (anything but the configuration);
+- **the policy protocol**: the public methods and properties of ``ampscaler.Policy``;
+- **lines of code**: of the library without ``integrations/``, ``demo/``, ``cli.py`` and
+  ``report.py``, docstrings, comments and blank lines aside.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import sys
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ampscaler"
 
@@ -224,6 +237,132 @@ def scaler_bases(root: Path) -> list[str]:
     return []
 
 
+#: Attributes of ``GradScaler`` that hold its configuration, not an optional part.
+CONFIGURATION = {"_device", "_enabled", "_max_consecutive_skips", "_init_scale"}
+
+
+def optional_branches(root: Path) -> list[Mention]:
+    """``self._x is None`` / ``self._x is not None`` in ``scaler.py`` where ``_x`` holds an
+    optional part (the rank agreement, the planner, ...), not the configuration."""
+    found = []
+    for node in ast.walk(_tree(root / "scaler.py")):
+        if (
+            isinstance(node, ast.Compare)
+            and len(node.ops) == 1
+            and isinstance(node.ops[0], (ast.Is, ast.IsNot))
+            and isinstance(node.comparators[0], ast.Constant)
+            and node.comparators[0].value is None
+            and isinstance(node.left, ast.Attribute)
+            and isinstance(node.left.value, ast.Name)
+            and node.left.value.id == "self"
+            and node.left.attr not in CONFIGURATION
+        ):
+            found.append(Mention("scaler.py", node.lineno, node.left.attr))
+    return found
+
+
+def policy_members(root: Path) -> list[str]:
+    """The public methods and properties of ``Policy`` (``policy/base.py``)."""
+    for node in _tree(root / "policy" / "base.py").body:
+        if isinstance(node, ast.ClassDef) and node.name == "Policy":
+            return [
+                item.name
+                for item in node.body
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and not item.name.startswith("_")
+            ]
+    return []
+
+
+#: Left out of the library's size: adapters, the demo, the command line and the plots.
+NOT_COUNTED = ("integrations", "demo", "cli.py", "report.py")
+
+
+def _code_lines(path: Path) -> int:
+    source = path.read_text()
+    prose: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            prose.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    code: set[int] = set()
+    skipped = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped and token.type != tokenize.ENDMARKER:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - prose)
+
+
+def lines_of_code(root: Path) -> int:
+    """Lines of code of the library (without :data:`NOT_COUNTED`): docstrings and other bare
+    strings, comments and blank lines aside."""
+    return sum(
+        _code_lines(path)
+        for path in sorted(root.rglob("*.py"))
+        if path.relative_to(root).parts[0] not in NOT_COUNTED
+    )
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one traced iteration ran of the package."""
+
+    modules: list[str]  # entered, relative to the package
+    jumps: list[tuple[str, str, str]]  # (caller's module, callee's module, function)
+
+    @property
+    def observers(self) -> list[str]:
+        """The modules of ``observe/`` it entered."""
+        return [module for module in self.modules if module.startswith("observe/")]
+
+
+def trace_default_iteration(iterations: int = 3) -> Trace:
+    """Run ``iterations`` default iterations of a tiny model (``scale``, ``backward``,
+    ``unscale_``, ``step``, ``update``; nothing attached) and trace the last with
+    ``sys.setprofile``."""
+    import torch
+
+    import ampscaler
+
+    package = Path(ampscaler.__file__).resolve().parent
+
+    def module(frame: FrameType | None) -> str | None:
+        if frame is None:
+            return None
+        path = Path(frame.f_code.co_filename).resolve()
+        return str(path.relative_to(package)) if package in path.parents else None
+
+    calls: list[tuple[str | None, str, str]] = []
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        callee = module(frame) if event == "call" else None
+        if callee is not None:
+            calls.append((module(frame.f_back), callee, frame.f_code.co_name))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscaler.GradScaler("cpu")
+    for number in range(iterations):
+        traced = number == iterations - 1
+        if traced:
+            sys.setprofile(profile)
+        try:
+            scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            sys.setprofile(None)
+        opt.zero_grad()
+    modules = sorted({callee for _, callee, _ in calls})
+    jumps = [(a, b, name) for a, b, name in calls if a is not None and a != b]
+    return Trace(modules, jumps)
+
+
 def main(argv: list[str]) -> None:
     root = Path(argv[1]).resolve() if len(argv) > 1 else SRC
     sections = [
@@ -237,6 +376,20 @@ def main(argv: list[str]) -> None:
         for mention in mentions:
             print(f"    {mention}")
     print(f"GradScaler's base classes: {len(scaler_bases(root))} {scaler_bases(root)}")
+    branches = optional_branches(root)
+    print(f"self._x is (not) None on optional parts in scaler.py: {len(branches)}")
+    for mention in branches:
+        print(f"    {mention}")
+    members = policy_members(root)
+    print(f"ampscaler.Policy's public methods and properties: {len(members)} {members}")
+    print(f"lines of code (without {', '.join(NOT_COUNTED)}): {lines_of_code(root)}")
+    trace = trace_default_iteration()
+    print(f"a default iteration enters {len(trace.modules)} modules: {trace.modules}")
+    print(
+        f"  and jumps between files {len(trace.jumps)} times; observe/ entered: {trace.observers}"
+    )
+    for caller, callee, name in trace.jumps:
+        print(f"    {caller} -> {callee}:{name}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ampscaler
+import core_shape
 
 PACKAGE = Path(ampscaler.__file__).resolve().parent
 FRONT = PACKAGE / "scaler.py"
@@ -87,3 +88,13 @@ def test_step_and_update_visit_each_module_at_most_twice(
     assert step["distributed.py"] == (2 if agree else 0)  # start agreeing, then settle
     for calls in counted:
         assert max(calls.values(), default=0) <= 2, calls
+
+
+def test_a_default_iteration_enters_six_modules_and_jumps_sixteen_times_at_most() -> None:
+    """Traced as a new maintainer would follow it (tests/core_shape.py): scale, backward,
+    unscale_, step, update with nothing attached, the third iteration. No observer runs: a
+    hook that is not due costs nothing."""
+    trace = core_shape.trace_default_iteration()
+    assert trace.observers == [], trace.modules
+    assert len(trace.modules) <= 6, trace.modules
+    assert len(trace.jumps) <= 16, trace.jumps

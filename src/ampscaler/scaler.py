@@ -53,7 +53,7 @@ from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
-from .guards import Guard, GuardSet
+from .guards import GuardSet
 from .hooks import Check, Hook, HookList, MeterHook
 from .hostcopy import read_values
 from .iteration import (
@@ -65,7 +65,7 @@ from .iteration import (
     SkipReason,
     StepOutcome,
 )
-from .observe.monitor import Attachable, Callback, CollapseCallback, Monitor, RecordCallback
+from .observe.monitor import Callback, CollapseCallback, Monitor, RecordCallback
 from .observe.sinks import Sink
 from .policy import Policy, policy_from_arguments
 from .policy.derived import torch_rule
@@ -91,9 +91,8 @@ def _deprecated(old: str, new: str) -> None:
     )
 
 
-GuardT = TypeVar("GuardT", bound=Guard)
 SinkT = TypeVar("SinkT", bound=Sink)
-AttachableT = TypeVar("AttachableT", bound=Hook | Guard | Attachable)
+PluginT = TypeVar("PluginT")
 
 
 def _reciprocal(live: LiveState, iteration: Iteration) -> torch.Tensor:
@@ -272,7 +271,6 @@ class GradScaler(TorchPrivateNames):
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
-        self._attempt = 0  # the try at the batch in progress (attempts())
         self._hooks = HookList()
         self._hooks.add(Monitor(enabled=self._enabled))  # overflow reports, sinks, probes...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
@@ -721,7 +719,6 @@ class GradScaler(TorchPrivateNames):
             iteration.let_go_of_losses(clean=overflowed is False)
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
-        iteration.attempt = self._attempt
         self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
             self._bf16.stop()
@@ -809,11 +806,12 @@ class GradScaler(TorchPrivateNames):
             )
         for number in range(limit):
             started = self._iteration
-            self._attempt = number
+            started.attempt = number  # the try at its batch the iteration in progress is
             try:
                 yield Attempt(number, limit)
             finally:
-                self._attempt = 0
+                if self._iteration is started:  # the body did not end it: not a try
+                    started.attempt = 0
             if not self._enabled:
                 return
             self._require_one_update(started)
@@ -1165,7 +1163,7 @@ class GradScaler(TorchPrivateNames):
         """The hook that holds the observers (always in the list)."""
         return self._hooks.find(Monitor)  # type: ignore[no-any-return]
 
-    def attach(self, plugin: AttachableT) -> AttachableT:
+    def attach(self, plugin: PluginT) -> PluginT:
         """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (what
         consumes step records, a sink, goes to :meth:`add_sink`; a callback to :meth:`on`):
 
@@ -1204,7 +1202,7 @@ class GradScaler(TorchPrivateNames):
             )
         return plugin
 
-    def detach(self, plugin: Hook | Guard) -> None:
+    def detach(self, plugin: object) -> None:
         """Take a hook or guard that :meth:`attach` added out again.
 
         Raises:
@@ -1215,16 +1213,16 @@ class GradScaler(TorchPrivateNames):
         elif not any(hook.release(plugin) for hook in self._hooks):
             raise ValueError(f"{plugin!r} is not attached to this scaler; see scaler.attach().")
 
-    def add_guard(self, guard: GuardT) -> GuardT:
+    def add_guard(self, guard: PluginT) -> PluginT:
         """Deprecated: :meth:`attach` takes guards."""
         _deprecated("add_guard(guard)", "scaler.attach(guard)")
-        if not isinstance(guard, Guard) or isinstance(guard, Hook):
+        if isinstance(guard, Hook) or not any(hook.adopt(guard) for hook in self._hooks):
             raise TypeError(
                 f"add_guard() takes a guard (an object with check(measured) and "
                 f"end_iteration(skipped), such as ampscaler.SpikeGuard), got "
                 f"{type(guard).__name__}."
             )
-        return self.attach(guard)
+        return guard
 
     def add_sink(self, sink: SinkT) -> SinkT:
         """Send every step record to ``sink`` (an object with ``write(record)``); returns it.

@@ -41,14 +41,7 @@ from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
 from .hostcopy import HostCopy, read_values
 from .policy import LOWEST_SCALE, Policy, PolicyState, adjusted, float32_value
-from .policy.derived import (
-    compared_settings,
-    lowest_after,
-    policy_name,
-    power_of_two,
-    torch_rule,
-    with_rule,
-)
+from .policy.derived import comparable, lowest_after, power_of_two, with_rule
 
 __all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
 
@@ -344,6 +337,7 @@ class ScalerState:
     def __init__(self, policy: Policy, scale: float) -> None:
         self._policy = policy
         self._holds = policy.holds_on_nonfinite_loss  # asked once per policy, not per update
+        self._bound = lowest_after(policy)
         self._host: HostState = HostState(scale)
         self._live: LiveState | None = None
         # Until scale() uses it, the scale is reported as given (not rounded to float32), as
@@ -386,6 +380,7 @@ class ScalerState:
         self._apply_pending()
         self._policy = self._pending_policy = policy
         self._holds = policy.holds_on_nonfinite_loss
+        self._bound = lowest_after(policy)
         if self._watch is not None:
             self._watch.set_policy(power_of_two(policy))
 
@@ -469,8 +464,7 @@ class ScalerState:
         """What ranks compare: the policy's settings, and every state tensor (the live objects,
         which later updates change in place)."""
         policy = self._policy
-        settings: dict[str, Any] = {**torch_rule(policy)._asdict(), "policy": policy_name(policy)}
-        settings.update(compared_settings(policy))
+        settings: dict[str, Any] = comparable(policy)
         live = self.live
         if live is not None:
             settings.update(live.tensors._asdict())
@@ -584,6 +578,7 @@ class ScalerState:
             tensors = policy.initial_state(host.scale, self._live.device, host.values())
         self._policy = self._pending_policy = policy
         self._holds = policy.holds_on_nonfinite_loss
+        self._bound = lowest_after(policy)
         if self._live is None or tensors is None:
             self._host = host
             return
@@ -672,7 +667,7 @@ class ScalerState:
         self._renewal = None
         copied = float(renewal.tolist())
         for _ in range(self._updates - renewal.at):  # the updates since the copy was taken
-            copied = lowest_after(self._policy, copied, None)
+            copied = self._bound(copied, None)
         return max(self._lowest, copied)
 
     def _keep_above_floor(
@@ -695,7 +690,7 @@ class ScalerState:
             scale.clamp_(min=LOWEST_SCALE)
             self._lowest = 0.0
             return
-        lowest = lowest_after(self._policy, known, overflowed)
+        lowest = self._bound(known, overflowed)
         if lowest < 2.0 * LOWEST_SCALE:
             scale.clamp_(min=LOWEST_SCALE)
             lowest = max(lowest, LOWEST_SCALE)

@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import InvalidConfigError, ScalerUsageError
@@ -41,6 +41,7 @@ from .scale import INT32_MAX, ScalePolicy, StaticPolicy, saved_int
 
 __all__ = [
     "checkpoint_entries",
+    "comparable",
     "compared_settings",
     "from_checkpoint",
     "from_torch_dict",
@@ -55,12 +56,18 @@ __all__ = [
 
 #: Where a field of torch's rule lives in a built-in policy under another name.
 _TORCH_ALIASES: dict[type[Policy], dict[str, str]] = {
-    HeadroomPolicy: {"growth_interval": "recovery_interval"}
+    HeadroomPolicy: {"growth_interval": "recovery_interval"},
 }
 #: The built-in policies that save the rule's keys beside torch's (ampscaler 0.1's layout).
-_FLAT = (ScalePolicy, StaticPolicy, HeadroomPolicy)
+_FLAT: tuple[type[Policy], ...] = (
+    ScalePolicy,
+    StaticPolicy,
+    HeadroomPolicy,
+)
 #: The section a policy's settings and own values are saved in (by default ``policy_state``).
-_SECTIONS: dict[type[Policy], str] = {HeadroomPolicy: "headroom"}
+_SECTIONS: dict[type[Policy], str] = {
+    HeadroomPolicy: "headroom",
+}
 
 
 def policy_name(policy: Policy) -> str:
@@ -135,14 +142,19 @@ def power_of_two(policy: Policy) -> PowerOfTwo | None:
     return rule
 
 
-def lowest_after(policy: Policy, scale: float, overflowed: bool | None) -> float:
-    """A lower bound on the scale one update of ``policy`` leaves, from a scale of at least
-    ``scale`` (``overflowed``: whether the iteration's gradients held inf/NaN, where the host
-    knows it), where the policy gives one (an optional extra, ``lowest_after``: the built-in
-    policies have it); ``0.0``, no bound, otherwise. The scaler clamps the scale at
-    ``2**-126`` after every update this bound cannot keep above twice that."""
-    bound = getattr(policy, "lowest_after", None)
-    return 0.0 if bound is None else float(bound(scale, overflowed))
+def lowest_after(policy: Policy) -> Callable[[float, bool | None], float]:
+    """``bound(scale, overflowed)``: a lower bound on the scale one update of ``policy``
+    leaves, from a scale of at least ``scale`` (``overflowed``: whether the iteration's
+    gradients held inf/NaN, where the host knows it), where the policy gives one (an optional
+    extra, ``lowest_after``: the built-in policies have it); ``0.0``, no bound, otherwise. The
+    scaler clamps the scale at ``2**-126`` after every update this bound cannot keep above
+    twice that."""
+    bound: Callable[[float, bool | None], float] | None = getattr(policy, "lowest_after", None)
+    return _no_bound if bound is None else bound
+
+
+def _no_bound(scale: float, overflowed: bool | None) -> float:
+    return 0.0
 
 
 def _flat_settings(policy: Policy) -> dict[str, Any]:
@@ -168,6 +180,15 @@ def compared_settings(policy: Policy) -> dict[str, Any]:
         section = _SECTIONS[type(policy)]
         own = {f"{section}.{name}": value for name, value in policy_fields(policy).items()}
     return {**_flat_settings(policy), **own}
+
+
+def comparable(policy: Policy) -> dict[str, Any]:
+    """Everything ranks compare of ``policy``: torch's rule, its name, its settings."""
+    return {
+        **torch_rule(policy)._asdict(),
+        "policy": policy_name(policy),
+        **compared_settings(policy),
+    }
 
 
 def checkpoint_entries(policy: Policy, values: Mapping[str, Any]) -> dict[str, Any]:
