@@ -4,7 +4,8 @@ often, than torch's scaler in every configuration of ``benchmarks/dispatch_count
 On a GPU every op is a kernel launch and every read a wait for the device, so this is the
 machine-independent guard against a slower hot path. Rows where torch's arm does less (a
 feature torch has no counterpart of: a spike guard, a measuring policy, agreement for a fused
-optimizer) are held to their recorded ceiling instead, so that a regression still fails.
+optimizer) are held to a ceiling instead, ampscaler's defaults on the same loop plus what the
+feature adds today, so that a regression still fails.
 
 The table runs in its own process: a configuration with a ``process_group`` initializes a
 one-rank gloo group, which must not leak into the other tests.
