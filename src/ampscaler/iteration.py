@@ -228,14 +228,16 @@ class Iteration:
         return made
 
     def require_unstarted(self, funcname: str) -> None:
-        """Raise if the iteration has begun: a loss was scaled, or an optimizer unscaled or
-        stepped (stricter than torch, see docs/migration.md).
+        """Raise if the iteration has begun: a loss that can carry gradients was scaled (one
+        with an autograd graph), or an optimizer unscaled or stepped (stricter than torch, see
+        docs/migration.md). A scaled tensor without a graph leaves no gradient at the old scale
+        (torch's own tests scale one to make the scale tensor before loading).
 
         Raises:
-            ScalerUsageError: ``scale()``, ``unscale_()`` or ``step()`` came since the last
-                ``update()``.
+            ScalerUsageError: ``scale()`` of such a loss, ``unscale_()`` or ``step()`` came
+                since the last ``update()``.
         """
-        if self.losses or self.records:
+        if self.records or any(loss.requires_grad for loss in self.losses):
             raise ScalerUsageError(
                 f"scaler.{funcname}() was called in the middle of an iteration (after "
                 "scale(), unscale_() or step(), before update()): the gradients already hold "

@@ -1057,8 +1057,8 @@ class GradScaler(TorchPrivateNames):
 
         Raises:
             RuntimeError: an empty dict (saved from a disabled scaler); called mid-iteration,
-                after ``scale()`` and before ``update()`` (stricter than torch:
-                :class:`~ampscaler.ScalerUsageError`).
+                after ``scale()`` of a loss with a graph and before ``update()`` (stricter
+                than torch: :class:`~ampscaler.ScalerUsageError`).
             KeyError / ValueError: a dict that is not a scaler's, or holds invalid values
                 (:class:`~ampscaler.InvalidStateDictError` is both).
         """
