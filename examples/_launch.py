@@ -59,6 +59,14 @@ def report_step(step: int, scale_before: float, scaler: GradScaler, device: torc
         )
 
 
+def outcome(scaler: GradScaler) -> str:
+    """How the last iteration ended: ``"stepped"``, ``"nonfinite"`` (inf/NaN gradients or loss:
+    ``scaler.last_overflow`` says which), or ``"spike"`` (a guard vetoed finite gradients)."""
+    if not scaler.last_step_skipped:
+        return "stepped"
+    return "spike" if scaler.last_overflow is None else "nonfinite"
+
+
 def resumable_run_arguments(description: str) -> argparse.ArgumentParser:
     """A parser with the arguments of a run that saves a DCP checkpoint or resumes from one;
     parse with :func:`parse_resumable`."""
@@ -86,7 +94,7 @@ def print_checksum(model: torch.nn.Module, scaler: GradScaler) -> None:
         digest.update(param.full_tensor().detach().cpu().numpy().tobytes())  # type: ignore[attr-defined]
     digest.update(repr(sorted(scaler.state_dict().items())).encode())
     if dist.get_rank() == 0:
-        print(f"final scale {scaler.get_scale():g}, stats {scaler.stats}")
+        print(f"final scale {scaler.get_scale():g}, counts {scaler.metrics('')}")
         print(f"checksum {digest.hexdigest()[:16]}", flush=True)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _launch import (
     init_distributed,
+    outcome,
     parse_resumable,
     print_checksum,
     resumable_run_arguments,
@@ -48,7 +49,7 @@ def build(
         device.type, init_scale=2.0**10, growth_interval=4, hysteresis=2,
         process_group=dist.group.WORLD,
     )  # fmt: skip
-    scaler.add_guard(SpikeGuard(window=16))  # its windows are checkpointed too
+    scaler.attach(SpikeGuard(window=16))  # its windows are checkpointed too
     scaler.watch(model)
     return model, optimizer, scaler
 
@@ -76,7 +77,7 @@ def main() -> None:
             model, optimizer,
             model_state_dict=state["model"], optim_state_dict=state["optimizer"],
         )  # fmt: skip
-        start = scaler.stats.steps
+        start = int(scaler.metrics("")["steps"])
         if rank == 0:
             print(f"resumed after {start} steps at scale {scaler.get_scale():g}", flush=True)
 
@@ -97,8 +98,7 @@ def main() -> None:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
-            reason = scaler.last_skip_reason or "stepped"
-            print(f"step {step}: {reason}; scale {scaler.get_scale():g}", flush=True)
+            print(f"step {step}: {outcome(scaler)}; scale {scaler.get_scale():g}", flush=True)
         if args.save_at is not None and step + 1 == args.save_at:
             dcp.save(checkpoint(model, optimizer, scaler), checkpoint_id=args.checkpoint)
             if rank == 0:

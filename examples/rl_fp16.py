@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _launch import (
     init_distributed,
+    outcome,
     parse_resumable,
     print_checksum,
     resumable_run_arguments,
@@ -126,7 +127,7 @@ def load(
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
-    return scaler.stats.steps
+    return int(scaler.metrics("")["steps"])
 
 
 def train_step(
@@ -176,8 +177,8 @@ def main() -> None:
         overflow = step == args.overflow_at and rank == world - 1
         reward = train_step(model, optimizer, scaler, step, args.target_token, overflow)
         if rank == 0:
-            outcome = scaler.last_skip_reason or "stepped"
-            print(f"step {step}: reward {reward:.3f}; {outcome}; scale {scaler.get_scale():g}",
+            print(f"step {step}: reward {reward:.3f}; {outcome(scaler)}; "
+                  f"scale {scaler.get_scale():g}",
                   flush=True)  # fmt: skip
         if args.save_at is not None and step + 1 == args.save_at:
             save(args.checkpoint, model, optimizer, scaler)

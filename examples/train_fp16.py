@@ -39,12 +39,11 @@ def main() -> None:
         scaler.step(optimizer)
         scaler.update()
         if step % max(1, args.steps // 10) == 0 or step == 1:
-            stats = scaler.stats
             print(
                 f"step {step:4d}  loss {loss.item():.5f}  scale {scaler.get_scale():>8g}  "
-                f"skipped {stats.skipped}"
+                f"skipped {scaler.metrics('')['skips']}"
             )
-    print(f"done: {scaler.stats}")
+    print(f"done: {scaler.metrics('')}")
 
 
 if __name__ == "__main__":

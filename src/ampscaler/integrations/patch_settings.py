@@ -80,7 +80,7 @@ class PatchSettings:
     def apply(self, scaler: GradScaler) -> None:
         """Give a newly built ``scaler`` its own guards and sinks, then ``configure`` it."""
         for guard in self.guards:
-            scaler.add_guard(_call(guard)())
+            scaler.attach(_call(guard)())
         for sink in self.sinks:
             scaler.add_sink(_call(sink)())
         if self.configure is not None:
