@@ -171,8 +171,9 @@ class EngineScaler:
 
 class NameSwap:
     """Names in an engine's modules replaced while a patch is in force, nesting-safe: each
-    :meth:`push` puts settings in force (replacing the names once), each :meth:`pop` restores
-    the settings before it, and the engine's own objects when none are left.
+    :meth:`push` puts settings in force (replacing the names once), each :meth:`pop` ends its
+    own settings, in any order (as ``patch_torch()``'s handles), so the latest of those still
+    open is in force, and the engine's own objects come back when none are left.
 
     Args:
         names: ``(module, attribute, replacement)`` triples; a module that does not import, or
@@ -199,11 +200,9 @@ class NameSwap:
         self._stack.append(settings)
 
     def pop(self, settings: EngineSettings) -> None:
-        """End ``settings`` (and any pushed after them); the engine's own names come back
-        when none are left."""
-        held = [index for index, held in enumerate(self._stack) if held is settings]
-        if held:
-            del self._stack[held[0] :]
+        """End ``settings`` (ended already: nothing); the engine's own names come back when
+        none are left."""
+        self._stack[:] = [held for held in self._stack if held is not settings]
         if not self._stack:
             self.clear()
 
