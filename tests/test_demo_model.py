@@ -25,6 +25,7 @@ from ampscaler.demo import (
     train_arm,
 )
 from ampscaler.observe.probe import count_underflow
+from ampscaler.report import parameter_zeros
 
 SHORT = DemoConfig(steps=30, probe_every=5)
 
@@ -164,6 +165,24 @@ def test_unscaled_arm_loses_most_activation_gradients(short_runs: dict[str, ArmR
     assert unscaled.flushed_fraction > 0.5
     assert unscaled.layers["hidden1"].flushed_fraction > 0.9
     assert scaled.flushed_fraction < 0.01
+
+
+def test_the_probe_counts_only_parameters_with_a_gradient_in_fp32(
+    short_runs: dict[str, ArmResult],
+) -> None:
+    """Item 11: at step 0 no gradient reaches the hidden layers, behind the zero-initialised
+    output layer, in fp32 either. Counted, they made 86% of every arm's parameter-gradient
+    elements "zero in fp16", the scaled arm's at its loss scale too: scaling read as failing."""
+    spec = SHORT.task
+    output = spec.hidden_features * spec.out_features + spec.out_features
+    model = build_student(spec, SHORT.seed)
+    everything = sum(p.numel() for p in model.parameters())
+    for result in short_runs.values():
+        first, later = result.records[0].probe, result.records[SHORT.probe_every or 0].probe
+        assert first is not None and later is not None
+        assert (first.elements, later.elements) == (output, everything), result.name
+    scaled = short_runs[FP16_AMPSCALER].records[0].probe
+    assert scaled is not None and parameter_zeros(scaled)[0] == 0.0
 
 
 def test_on_step_sees_every_step_in_order() -> None:
