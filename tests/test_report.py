@@ -29,6 +29,7 @@ from ampscaler.report import (
     report_notes,
     report_summary,
     scale_figure,
+    shown_modules,
 )
 
 ARMS = (FP32, FP16_NO_SCALING, FP16_AMPSCALER)
@@ -162,6 +163,21 @@ def test_a_module_chart_of_small_shares_zooms_in_and_writes_the_values(
     plot_modules([(r.step, r.probe) for r in run if r.probe is not None], tmp_path / "m.png")
     unscaled = figures["m.png"].axes[0]
     assert unscaled.get_xlim()[1] > 100 and "zoomed" not in unscaled.get_xlabel()
+
+
+def test_every_module_chart_lists_the_layers_in_one_order(
+    demo: tuple[Path, DemoOutcome], tmp_path: Path, figures: dict[str, Figure]
+) -> None:
+    """Item 11: a chart listed its layers as its run's first probe met them (worst first), so
+    two runs' charts could disagree; and the demo's charts put the output layer on top."""
+    render_report(read_log(demo[0] / "steps.jsonl"), tmp_path)
+    for arm in ARMS:
+        axes = figures[f"probe_modules-{arm}.png"].axes[0]
+        top_down = [label.get_text() for label in axes.get_yticklabels()][::-1]
+        assert top_down == ["hidden1", "hidden2", "hidden3", "output"], arm
+    first_met = {"out": (0.0, 0.9), "layers.10": (0.0, 0.5), "layers.2": (0.0, 0.1)}
+    other_run = {"layers.2": (0.0, 0.9), "out": (0.0, 0.1), "layers.10": (0.0, 0.5)}
+    assert shown_modules(first_met) == shown_modules(other_run) == ["layers.2", "layers.10", "out"]
 
 
 def test_a_module_chart_with_nothing_to_show_is_left_out_with_a_note(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ _SKIP_COLOR = "#d62728"
 _SUBNORMAL_COLOR = "#ff7f0e"
 _SCALED_COLOR = "#2ca02c"
 _MODULES_SHOWN = 10
+_DIGITS = re.compile(r"(\d+)")
 Probes = Sequence[tuple[int, ProbeResult]]
 """Probe results with the step each was measured at."""
 
@@ -420,17 +421,27 @@ def _module_shares(probes: Probes) -> dict[str, tuple[float, float]]:
     return {name: (math.nan, fraction) for name, fraction in last.items()}
 
 
+def _name_order(name: str) -> tuple[tuple[int, str], ...]:
+    """Sorts module names with the numbers in them compared as numbers."""
+    parts = _DIGITS.split(name)  # text, number, text, ...: the numbers at the odd places
+    return tuple((int(part), "") if i % 2 else (-1, part) for i, part in enumerate(parts))
+
+
 def shown_modules(shares: dict[str, tuple[float, float]]) -> list[str]:
     """The modules a per-module chart shows: the worst (by zero-or-subnormal share, then
-    flushed), at most ten, in the model's order (``shares``' order, as the probes met
-    them), so that every run's chart lists its layers in the same order.
+    flushed), at most ten, in one order for every chart: by name, the numbers in the names
+    compared as numbers (``layers.2`` before ``layers.10``; the demo's ``hidden1`` to
+    ``output``, the model's order).
+
+    A log does not hold the model's order: each probe lists its modules worst first, so the
+    order they first appear in differs from run to run.
 
     Example:
-        >>> shown_modules({"fc1": (0.1, 0.2), "fc2": (0.5, 0.9), "out": (0.0, 0.0)})
-        ['fc1', 'fc2', 'out']
+        >>> shown_modules({"out": (0.0, 0.0), "fc10": (0.5, 0.9), "fc2": (0.1, 0.2)})
+        ['fc2', 'fc10', 'out']
     """
     worst = sorted(shares, key=lambda name: shares[name][::-1], reverse=True)[:_MODULES_SHOWN]
-    return [name for name in shares if name in set(worst)]
+    return sorted(worst, key=_name_order)
 
 
 def plot_modules(probes: Probes, path: Path, label: str | None = None) -> Path | None:
