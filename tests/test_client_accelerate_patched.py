@@ -40,9 +40,13 @@ def test_accelerates_constructors_build_ampscalers_scalers() -> None:
         default = get_grad_scaler(**kwargs)
     assert isinstance(fsdp1, ampscaler.ShardedGradScaler)
     assert type(fsdp2).__name__ == type(default).__name__ == "TorchGradScaler"
-    for scaler in (fsdp1, fsdp2, default):
-        assert scaler.get_growth_interval() == 7 and scaler.policy.hysteresis == 2
-    assert fsdp2.get_scale() == 1024.0
+    for scaler in (fsdp1, fsdp2, default):  # Accelerate's kwargs reach ampscaler's scaler
+        assert scaler.policy.growth_interval == 7 and scaler.policy.hysteresis == 2
+    assert fsdp2.get_scale() == 1024.0 and fsdp2.get_growth_interval() == 7
+    for disabled in (fsdp1, default):  # built for "cuda" on this CPU: as torch's, no getters
+        assert not disabled.is_enabled()
+        with pytest.raises(AttributeError, match="disabled"):
+            disabled.get_growth_interval()
 
 
 def fsdp_accelerator(version: int) -> Accelerator:

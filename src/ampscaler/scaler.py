@@ -910,8 +910,28 @@ class GradScaler(TorchPrivateNames):
         """
         return self._state.scale_value() if self._enabled else 1.0
 
+    def _require_rule(self, getter: str) -> None:
+        """Refuse torch's rule getter ``getter`` on a disabled scaler, as torch's does.
+
+        torch's disabled scaler never sets ``_growth_factor`` and friends, so its getters raise
+        ``AttributeError``; code written against it (``hasattr``, ``except AttributeError``)
+        meets the same error here, with a message that says where the value is.
+        """
+        if not self._enabled:
+            raise AttributeError(
+                f"{type(self).__name__}.{getter}(): this scaler is disabled (built with "
+                "enabled=False, or for a device that is not available), and a disabled scaler "
+                "keeps no growth settings: torch's raises AttributeError here too. The value it "
+                f"was configured with is in scaler.policy: {self._state.policy!r}."
+            )
+
     def get_growth_factor(self) -> float:
-        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        """The factor the scale grows by after ``growth_interval`` clean steps.
+
+        Raises:
+            AttributeError: the scaler is disabled, as torch's; read :attr:`policy` instead.
+        """
+        self._require_rule("get_growth_factor")
         return torch_rule(self._state.policy).growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
@@ -919,7 +939,12 @@ class GradScaler(TorchPrivateNames):
         self._state.change_rule("set_growth_factor", growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        """The factor the scale backs off by after an overflow."""
+        """The factor the scale backs off by after an overflow.
+
+        Raises:
+            AttributeError: the scaler is disabled, as torch's; read :attr:`policy` instead.
+        """
+        self._require_rule("get_backoff_factor")
         return torch_rule(self._state.policy).backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
@@ -927,7 +952,12 @@ class GradScaler(TorchPrivateNames):
         self._state.change_rule("set_backoff_factor", backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        """Clean steps in a row before the scale grows."""
+        """Clean steps in a row before the scale grows.
+
+        Raises:
+            AttributeError: the scaler is disabled, as torch's; read :attr:`policy` instead.
+        """
+        self._require_rule("get_growth_interval")
         return torch_rule(self._state.policy).growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
