@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import ampscaler
-from counters import counts
+from scaler_readings import counts
 from policy_strategies import Setup, setups
 from reference import Reference, f32
 from twins import nan_equal

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ampscaler
-from counters import counts
+from scaler_readings import counts
 from policy_strategies import Setup, policy_of, setups
 from reference import RefConfig, Reference
 

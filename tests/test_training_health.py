@@ -15,7 +15,7 @@ import torch
 
 import ampscaler
 from ampscaler import CollapseAlert, CollapseWatch, LoggingSink, SpikeGuard, StepHistory
-from twins import observed
+from scaler_readings import counts, skip_reason
 
 # ---------------------------------------------------------------- helpers
 
@@ -64,7 +64,7 @@ def test_a_forward_that_overflows_in_fp16_gives_cause_loss() -> None:
         model.weight.fill_(300.0)  # 4 * 300 * 100 = 120000: beyond float16's 65504
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = ampscaler.GradScaler("cpu", init_scale=8.0, max_consecutive_skips=2)
-    observed(scaler, history=4)
+    history = scaler.add_sink(StepHistory(4))
     scaler.watch(model)
     for step in range(2):
         with torch.autocast("cpu", dtype=torch.float16):
@@ -75,12 +75,12 @@ def test_a_forward_that_overflows_in_fp16_gives_cause_loss() -> None:
         scaler.step(opt)
         if step == 0:
             scaler.update()
-            assert scaler.last_skip_reason == "nonfinite"
+            assert skip_reason(scaler) == "nonfinite"
             report = scaler.last_overflow
             assert report is not None and report.cause == "loss"
             assert "cannot help" in str(report)
-            assert scaler.history[-1].overflow is not None
-            assert scaler.history[-1].overflow.cause == "loss"
+            assert history.records[-1].overflow is not None
+            assert history.records[-1].overflow.cause == "loss"
         else:
             with pytest.raises(ampscaler.PersistentOverflowError) as raised:
                 scaler.update()
@@ -104,7 +104,7 @@ def test_a_scale_too_large_for_finite_gradients_gives_cause_gradients(name: str)
         scaler.update()
     assert raised.value.cause == "gradients"
     assert "init_scale" in str(raised.value) and "min_scale" in str(raised.value)
-    assert scaler.last_skip_reason == "nonfinite"
+    assert skip_reason(scaler) == "nonfinite"
     report = scaler.last_overflow
     assert report is not None and report.cause == "gradients"
 
@@ -143,7 +143,7 @@ def _guarded_run(
     model = _mlp()
     opt = OPTIMIZERS[name](model.parameters())
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
-    scaler.add_guard(guard or SpikeGuard(sigma=6.0, window=8))
+    scaler.attach(guard or SpikeGuard(sigma=6.0, window=8))
     out: dict[str, Any] = {"reasons": [], "scales": []}
     for step in range(steps):
         scaler.scale(_loss(model, step)).backward()
@@ -154,12 +154,12 @@ def _guarded_run(
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        out["reasons"].append(scaler.last_skip_reason)
+        out["reasons"].append(skip_reason(scaler))
         out["scales"].append(scaler.get_scale())
         if step == spike_at:
             out["after"] = _snapshot(model, opt)
             out["scale_kept"] = scaler.get_scale() == scale_before
-    out["stats"] = scaler.stats
+    out["stats"] = counts(scaler)
     return out
 
 
@@ -201,7 +201,7 @@ def _reasons(
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        reasons.append(scaler.last_skip_reason)
+        reasons.append(skip_reason(scaler))
     return reasons
 
 
@@ -209,7 +209,7 @@ def test_a_loss_spike_alone_is_caught() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients stay alike
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
-    scaler.add_guard(SpikeGuard(sigma=3.0, window=8))
+    scaler.attach(SpikeGuard(sigma=3.0, window=8))
 
     def loss_spikes(step: int, loss: torch.Tensor) -> None:
         if step == 9:  # the same gradients, but the loss passed to scale() spikes
@@ -223,7 +223,7 @@ def test_a_guard_added_after_training_began_starts_its_warm_up_then() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
     assert _reasons(scaler, model, opt, 10, lambda step, loss: None) == [None] * 10
-    scaler.add_guard(SpikeGuard(window=4))
+    scaler.attach(SpikeGuard(window=4))
 
     def spikes(step: int, loss: torch.Tensor) -> None:
         if step in (2, 5):  # 2 steps into its warm-up, then after it
@@ -235,14 +235,15 @@ def test_a_guard_added_after_training_began_starts_its_warm_up_then() -> None:
 def test_a_spike_step_is_recorded_as_such() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = observed(ampscaler.GradScaler("cpu", init_scale=2.0**10), history=20)
-    scaler.add_guard(SpikeGuard(window=4))
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    history = scaler.add_sink(StepHistory(20))
+    scaler.attach(SpikeGuard(window=4))
     _reasons(scaler, model, opt, 6, lambda step, loss: step == 5 and _spike_grads(model))
-    record = scaler.history[-1]
+    record = history.records[-1]
     assert record.spike and not record.skipped and record.new_scale == record.scale
     assert "spike guard" in str(record)
     assert ampscaler.StepRecord.from_dict(record.as_dict()) == record
-    assert not any(r.spike for r in scaler.history[:-1])
+    assert not any(r.spike for r in history.records[:-1])
 
 
 @pytest.mark.parametrize(
@@ -263,23 +264,24 @@ def test_bad_guard_arguments_are_named(kwargs: dict[str, Any], argument: str) ->
 
 def test_add_guard_refuses_what_is_not_a_guard_and_a_guard_twice() -> None:
     scaler = ampscaler.GradScaler("cpu")
-    with pytest.raises(TypeError, match="add_guard"):
-        scaler.add_guard(object())  # type: ignore[arg-type]
-    guard = scaler.add_guard(SpikeGuard())
-    with pytest.raises(ValueError, match="already"):
-        scaler.add_guard(guard)
+    with pytest.warns(DeprecationWarning, match="add_guard"):  # the deprecated name, still kept
+        with pytest.raises(TypeError, match="add_guard"):
+            scaler.add_guard(object())  # type: ignore[arg-type]
+        guard = scaler.add_guard(SpikeGuard())
+        with pytest.raises(ValueError, match="already"):
+            scaler.add_guard(guard)
 
 
 def test_a_scaler_with_a_guard_can_be_copied() -> None:
     run_model = _mlp()
     opt = torch.optim.SGD(run_model.parameters(), lr=0.01)
     scaler = ampscaler.GradScaler("cpu")
-    scaler.add_guard(SpikeGuard(window=4))
+    scaler.attach(SpikeGuard(window=4))
     scaler.scale(_loss(run_model, 0)).backward()
     scaler.step(opt)
     scaler.update()
     for twin in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
-        assert twin.last_step_skipped is False and twin.last_skip_reason is None
+        assert twin.last_step_skipped is False and skip_reason(twin) is None
         with pytest.raises(RuntimeError, match="has not stepped"):
             twin.step_skipped(opt)
 
@@ -492,7 +494,7 @@ def test_a_normal_run_of_2000_steps_raises_no_alarm(caplog: pytest.LogCaptureFix
         _train_for(2000, scaler, lambda step: step in (3, 700, 1500))
     assert alerts == []
     assert not [r for r in caplog.records if r.name == "ampscaler"]
-    assert scaler.stats.skipped == 3
+    assert scaler.metrics("")["skips"] == 3
 
 
 def test_bad_collapse_watch_arguments_are_named() -> None:
@@ -573,7 +575,7 @@ def test_a_resumed_guard_decides_as_the_uninterrupted_one() -> None:
         model = _mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
-        scaler.add_guard(SpikeGuard(sigma=6.0, window=8))
+        scaler.attach(SpikeGuard(sigma=6.0, window=8))
         reasons = []
         for step in range(14):
             if step == resume_at:  # a new process: everything from the checkpoint
@@ -584,7 +586,7 @@ def test_a_resumed_guard_decides_as_the_uninterrupted_one() -> None:
                 model = _mlp(seed=99)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
                 scaler = ampscaler.GradScaler("cpu")
-                scaler.add_guard(SpikeGuard())
+                scaler.attach(SpikeGuard())
                 model.load_state_dict(saved["model"])
                 opt.load_state_dict(saved["opt"])
                 scaler.load_state_dict(saved["scaler"])
@@ -594,7 +596,7 @@ def test_a_resumed_guard_decides_as_the_uninterrupted_one() -> None:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-            reasons.append(scaler.last_skip_reason)
+            reasons.append(skip_reason(scaler))
         return reasons, [p.detach().clone() for p in model.parameters()]
 
     whole, resumed = run(None), run(10)
@@ -605,7 +607,7 @@ def test_a_resumed_guard_decides_as_the_uninterrupted_one() -> None:
 
 def test_guard_state_mismatches_are_reported() -> None:
     scaler = ampscaler.GradScaler("cpu")
-    scaler.add_guard(SpikeGuard())
+    scaler.attach(SpikeGuard())
     saved = scaler.state_dict()
     bare = ampscaler.GradScaler("cpu")
     with pytest.warns(UserWarning, match="state of 1 guard"):
