@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ampscaler
+from scaler_readings import counts, skip_reason
 from user_policy import HalveOrDouble
 
 STEPS = 6
@@ -122,7 +123,7 @@ def train_sharded(
             dist.broadcast(p.data, src=i % world)
         trace.record(scaler, step)
     trace.params = [p.detach().clone() for p in params]
-    trace.stats = scaler.stats
+    trace.stats = counts(scaler)
     return trace
 
 
@@ -253,7 +254,7 @@ def train_with_spike(rank: int, world: int, *, optimizer: str) -> list[Any]:
     mine = [p for i, p in enumerate(params) if i % world == rank]
     opt = make_optimizer(mine, optimizer)
     scaler = ampscaler.GradScaler("cpu", **SCALER_KWARGS, process_group=dist.group.WORLD)
-    scaler.add_guard(ampscaler.SpikeGuard(sigma=6.0, window=8))
+    scaler.attach(ampscaler.SpikeGuard(sigma=6.0, window=8))
     seen: list[Any] = []
     for step in range(SPIKE_STEPS):
         scaler.scale(loss_of(model, step)).backward()
@@ -269,8 +270,8 @@ def train_with_spike(rank: int, world: int, *, optimizer: str) -> list[Any]:
         opt.zero_grad(set_to_none=True)
         for i, p in enumerate(params):
             dist.broadcast(p.data, src=i % world)
-        seen.append((scaler.last_skip_reason, scaler.get_scale()))
-    seen.append(scaler.stats)
+        seen.append((skip_reason(scaler), scaler.get_scale()))
+    seen.append(counts(scaler))
     return seen
 
 
@@ -314,7 +315,7 @@ def train_with_replay(rank: int, world: int) -> list[Any]:
         for i, p in enumerate(params):
             dist.broadcast(p.data, src=i % world)
         seen.append(tries)
-    seen.append(scaler.stats)
+    seen.append(counts(scaler))
     return seen
 
 

@@ -25,7 +25,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import ampscaler
-from twins import observed
+from scaler_readings import counts, skip_reason
 
 STEPS = 16
 POISONED = {5, 12}  # steps whose loss is multiplied by inf
@@ -218,7 +218,7 @@ def test_sinks_and_diagnostics_still_work_in_a_compiled_step() -> None:
         model = torch.nn.Linear(4, 1)
         opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
         scaler = ampscaler.GradScaler("cpu", init_scale=8.0, growth_interval=2)
-        observed(scaler, history=20)
+        history = scaler.add_sink(ampscaler.StepHistory(20))
         scaler.watch(model)
 
         def step(poison: torch.Tensor) -> None:
@@ -233,7 +233,7 @@ def test_sinks_and_diagnostics_still_work_in_a_compiled_step() -> None:
                 assert scaler.last_overflow is not None
                 assert scaler.last_overflow.names == ["weight", "bias"]
             opt.zero_grad()
-        return [(r.step, r.scale, r.new_scale, r.skipped) for r in scaler.history]
+        return [(r.step, r.scale, r.new_scale, r.skipped) for r in history.records]
 
     assert records(compiled=True) == records(compiled=False)
 
@@ -247,7 +247,7 @@ def test_a_spike_guard_decides_alike_in_a_compiled_step() -> None:
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
         scaler = ampscaler.GradScaler("cpu", init_scale=1.0)
-        scaler.add_guard(ampscaler.SpikeGuard(window=4))
+        scaler.attach(ampscaler.SpikeGuard(window=4))
 
         def step(x: torch.Tensor, y: torch.Tensor, spike: torch.Tensor) -> None:
             with torch.autocast("cpu", dtype=torch.float16):
@@ -263,8 +263,8 @@ def test_a_spike_guard_decides_alike_in_a_compiled_step() -> None:
             gen = torch.Generator().manual_seed(i)
             x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
             call(x, y, torch.tensor(1000.0 if i == 6 else 1.0))
-            reasons.append(scaler.last_skip_reason)
-        return reasons, scaler.stats
+            reasons.append(skip_reason(scaler))
+        return reasons, counts(scaler)
 
     eager, compiled = run(False), run(True)
     assert eager == compiled

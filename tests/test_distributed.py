@@ -217,7 +217,7 @@ def test_unscale_starts_the_reduction_and_step_waits_for_it(
     scaler.step(opt)
     assert scaler._agreement._pending == []
     scaler.update()
-    assert scaler.stats.steps == 1
+    assert scaler.metrics("")["steps"] == 1
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
