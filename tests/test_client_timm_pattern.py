@@ -199,4 +199,4 @@ def test_a_timm_checkpoint_from_torchs_scaler_resumes_into_ampscalers() -> None:
     )
     assert_same_trace(switched, theirs)
     assert isinstance(loss_scaler.scaler, ampscaler.GradScaler)
-    assert loss_scaler.scaler.stats.steps == STEPS - RESUME_AT - 1
+    assert loss_scaler.scaler.metrics("")["steps"] == STEPS - RESUME_AT - 1

@@ -131,7 +131,9 @@ def test_clean_steps_run_no_localization(localizations: list[str]) -> None:
     model = Net()
     plain = torch.optim.SGD(model.body.parameters(), lr=1e-3)
     fused = torch.optim.Adam(model.head.parameters(), lr=1e-3, fused=True)
-    scaler = observed(GradScaler("cpu", init_scale=256.0), history=8, probe_every=2, trace=True)
+    scaler = GradScaler("cpu", init_scale=256.0)
+    history = scaler.add_sink(ampscaler.StepHistory(8))
+    observed(scaler, probe_every=2, trace=True)
     scaler.watch(model)
     scaler.add_sink(ampscaler.LoggingSink("test.clean"))
     scaler.on("step", lambda record: None)
@@ -157,7 +159,7 @@ def test_clean_steps_run_no_localization(localizations: list[str]) -> None:
     assert calls.count("locate") == 2  # the plain optimizer in step(), the fused one at update()
     report = seen[5]
     assert report is not None and report.kinds == {"body.0.bias": "inf", "head.weight": "nan"}
-    assert scaler.history[-1].overflow == report
+    assert history.records[-1].overflow == report
     assert scaler.last_overflow is report  # cached: no further pass
     assert calls.count("locate") == 2
 
@@ -260,7 +262,9 @@ def test_without_probe_or_tracer_nothing_is_hooked() -> None:
 
 def test_probe_hooks_exist_only_during_probed_iterations() -> None:
     model = Net()
-    scaler = observed(GradScaler("cpu"), history=10, probe_every=3)
+    scaler = GradScaler("cpu")
+    history = scaler.add_sink(ampscaler.StepHistory(10))
+    observed(scaler, probe_every=3)
     scaler.watch(model)
     hooked: dict[int, list[str]] = {}
     run_loop(
@@ -270,7 +274,7 @@ def test_probe_hooks_exist_only_during_probed_iterations() -> None:
         steps=7,
         after_update=lambda i: hooked.__setitem__(i + 1, _hooked_modules(model)),
     )
-    assert [r.step for r in scaler.history if r.probe is not None] == [0, 3, 6]
+    assert [r.step for r in history.records if r.probe is not None] == [0, 3, 6]
     leaves = ["body.0", "body.1", "body.2", "head"]
     assert {i: h for i, h in hooked.items() if h} == {3: leaves, 6: leaves}
 
@@ -279,13 +283,15 @@ def test_probe_hooks_exist_only_during_probed_iterations() -> None:
 def test_probe_measures_underflow_and_headroom(fused: bool) -> None:
     model = torch.nn.Linear(4, 1, bias=False)
     optimizer = _optimizer(model, fused)
-    scaler = observed(GradScaler("cpu", init_scale=1024.0), history=1, probe_every=1)
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    history = scaler.add_sink(ampscaler.StepHistory(1))
+    observed(scaler, probe_every=1)
     scaler.scale(model(torch.ones(1, 4)).sum()).backward()
     # At scale 1024: 1e-9 flushes to zero in fp16 (<= 2**-25); divided by 1024, 1e-5 does too.
     model.weight.grad = torch.tensor([[0.0, 1e-9, 1e-5, 1.0]])
     scaler.step(optimizer)
     scaler.update()
-    probe = scaler.history[-1].probe
+    probe = history.records[-1].probe
     assert probe is not None
     assert (probe.elements, probe.nonzero, probe.scale) == (4, 3, 1024.0)
     assert probe.underflow_at_scale == pytest.approx(1 / 3)
@@ -296,7 +302,9 @@ def test_probe_measures_underflow_and_headroom(fused: bool) -> None:
 def test_probe_reports_the_share_of_zero_and_subnormal_fp16_gradients_per_module() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = observed(GradScaler("cpu", init_scale=1.0), history=1, probe_every=1)
+    scaler = GradScaler("cpu", init_scale=1.0)
+    history = scaler.add_sink(ampscaler.StepHistory(1))
+    observed(scaler, probe_every=1)
     scaler.watch(model)
     with torch.autocast("cpu", dtype=torch.float16):
         out = model(torch.ones(1, 4))
@@ -305,7 +313,7 @@ def test_probe_reports_the_share_of_zero_and_subnormal_fp16_gradients_per_module
     scaler.scale((out.float() * weights).sum()).backward()
     scaler.step(optimizer)
     scaler.update()
-    probe = scaler.history[-1].probe
+    probe = history.records[-1].probe
     assert probe is not None and probe.modules["1"] == 0.5
     assert set(probe.modules) == {"0", "1"}
     assert list(probe.modules.values()) == sorted(probe.modules.values(), reverse=True)
@@ -313,11 +321,13 @@ def test_probe_reports_the_share_of_zero_and_subnormal_fp16_gradients_per_module
 
 def test_probe_headroom_is_negative_infinity_on_overflow_and_results_round_trip() -> None:
     model = torch.nn.Linear(2, 1)
-    scaler = observed(GradScaler("cpu"), history=1, probe_every=1)
+    scaler = GradScaler("cpu")
+    history = scaler.add_sink(ampscaler.StepHistory(1))
+    observed(scaler, probe_every=1)
     scaler.scale(model(torch.ones(1, 2)).sum() * INF).backward()
     scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler.update()
-    record = scaler.history[-1]
+    record = history.records[-1]
     assert record.skipped and record.probe is not None
     assert record.probe.headroom_log2 == -INF
     assert ampscaler.StepRecord.from_dict(record.as_dict()) == record
@@ -369,12 +379,13 @@ def test_a_disabled_scaler_takes_a_probe_and_tracer_but_hooks_nothing() -> None:
 
 def test_a_probe_attached_after_watch_taps_the_watched_models() -> None:
     model = Net()
-    scaler = observed(GradScaler("cpu"), history=3)
+    scaler = GradScaler("cpu")
+    history = scaler.add_sink(ampscaler.StepHistory(3))
     scaler.watch(model)
     scaler.attach(ampscaler.GradientProbe(every=2))
     assert _hooked_modules(model) == ["body.0", "body.1", "body.2", "head"]
     run_loop(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
-    assert [r.probe is not None and bool(r.probe.modules) for r in scaler.history] == [
+    assert [r.probe is not None and bool(r.probe.modules) for r in history.records] == [
         True,
         False,
         True,

@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import ampscaler
-from scaler_readings import counts
 from policy_strategies import Setup, setups
 from reference import Reference, f32
+from scaler_readings import counts
 from twins import nan_equal
 
 READY, UNSCALED, STEPPED = "ready", "unscaled", "stepped"

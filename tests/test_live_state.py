@@ -79,7 +79,7 @@ def test_counters_are_read_by_name() -> None:
     assert isinstance(state, ampscaler.state.LiveState)
     assert int(state.counters.steps) == 3
     assert int(state.counters.consecutive_skips) == 2
-    assert scaler.stats.backoffs == 2
+    assert scaler.metrics("")["backoffs"] == 2
 
 
 def test_before_the_first_scale_the_state_is_host_values_and_moves_to_the_device_once() -> None:

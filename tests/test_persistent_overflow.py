@@ -59,12 +59,12 @@ def test_raised_at_the_update_that_completes_the_run_and_not_before() -> None:
     with pytest.raises(ampscaler.PersistentOverflowError) as raised:
         _iterate(net, optimizer, scaler, bad)
     assert isinstance(raised.value, RuntimeError)
-    assert scaler.stats.consecutive_skips == 3
-    assert scaler.stats.skipped == 5
+    assert scaler.metrics("")["consecutive_skips"] == 3
+    assert scaler.metrics("")["skips"] == 5
     # The update was applied before raising: a caller who catches it can go on training.
     assert scaler.get_scale() == 2.0**8 * 0.5**5
     _iterate(net, optimizer, scaler, {})
-    assert scaler.stats.consecutive_skips == 0
+    assert scaler.metrics("")["consecutive_skips"] == 0
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
@@ -118,7 +118,7 @@ def test_without_a_limit_skipping_goes_on_silently() -> None:
     net, optimizer, scaler = _setup()
     for _ in range(6):
         _iterate(net, optimizer, scaler, {"head.bias": INF})
-    assert scaler.stats.consecutive_skips == 6
+    assert scaler.metrics("")["consecutive_skips"] == 6
 
 
 def test_message_describes_the_latest_skip_not_an_earlier_one() -> None:

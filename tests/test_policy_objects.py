@@ -42,7 +42,7 @@ def test_static_policy_never_moves_but_skips() -> None:
     for poison in [True, False, False, True, False]:
         _iteration(scaler, poison)
         assert scaler.get_scale() == 512.0
-    assert scaler.stats.skipped == 2
+    assert scaler.metrics("")["skips"] == 2
     assert scaler.state_dict()["dynamic"] is False
 
 

@@ -13,9 +13,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ampscaler
-from scaler_readings import counts
 from policy_strategies import Setup, policy_of, setups
 from reference import RefConfig, Reference
+from scaler_readings import counts
 
 # None: a clean step; otherwise (parameter, value) written into one gradient element.
 POISON = st.one_of(

@@ -67,7 +67,7 @@ def test_skipped_steps_leave_schedule_and_ema_where_they_were(fused: bool) -> No
     ref_model, ref_ema, ref_optimizer, _ = _train(clean, set(), fused)
 
     assert not [w for w in caught if LR_WARNING in str(w.message)]
-    assert scaler.stats.skipped == len(poisoned)
+    assert scaler.metrics("")["skips"] == len(poisoned)
     assert ema.n_averaged.item() == len(clean)
     assert optimizer.param_groups[0]["lr"] == ref_optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3
     for mine, ref in zip(model.parameters(), ref_model.parameters(), strict=True):

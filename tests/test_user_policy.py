@@ -49,7 +49,7 @@ def test_it_trains_by_its_own_rule_and_skips_overflows() -> None:
     scales = _train(scaler, range(10), model, opt)
     expected = reference_scales(64.0, [s in POISONED for s in range(10)], 2, 2.0**20)
     assert scales == expected
-    assert scaler.stats.skipped == len(POISONED)
+    assert scaler.metrics("")["skips"] == len(POISONED)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
