@@ -63,7 +63,7 @@ def _train(
     catch the first error."""
     model, opt, scaler = _parts(fused)
     if guard:
-        scaler.add_guard(ampscaler.SpikeGuard(window=8))
+        scaler.attach(ampscaler.SpikeGuard(window=8))
     seen = Seen()
     start = time.monotonic()
     call = "load"

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ampscaler
 import multirank
+from scaler_readings import skip_reason
 
 RESUME_STEPS = 8
 SAVE_AFTER = 4  # the checkpoint holds the state after steps 0-3
@@ -58,7 +59,7 @@ def _fsdp2_parts(
         "cpu", init_scale=2.0**10, growth_interval=2, hysteresis=2,
         process_group=dist.group.WORLD,
     )  # fmt: skip
-    scaler.add_guard(ampscaler.SpikeGuard(sigma=50.0, window=4))  # few steps: a wide margin
+    scaler.attach(ampscaler.SpikeGuard(sigma=50.0, window=4))  # few steps: a wide margin
     return model, opt, scaler
 
 
@@ -90,7 +91,7 @@ def _train_fsdp2(
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        seen.append((scaler.get_scale(), scaler.last_skip_reason))
+        seen.append((scaler.get_scale(), skip_reason(scaler)))
 
 
 def _checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer,

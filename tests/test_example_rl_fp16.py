@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 import multirank
+from scaler_readings import skip_reason
 
 sys.path.insert(0, str(multirank.ROOT / "examples"))
 import rl_fp16
@@ -33,7 +34,7 @@ def uninterrupted_and_resumed(rank: int, world: int) -> dict[str, Any]:
     for step in range(STEPS):
         overflow = step == OVERFLOW_STEP and rank == world - 1
         rewards.append(rl_fp16.train_step(*whole, step, TARGET, overflow))
-        scales.append((whole[2].get_scale(), whole[2].last_skip_reason))
+        scales.append((whole[2].get_scale(), skip_reason(whole[2])))
         if step + 1 == SAVE_AFTER:
             rl_fp16.save(path, *whole)
     resumed = rl_fp16.build(torch.device("cpu"))

@@ -80,7 +80,7 @@ REJECTED: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
 def test_a_rejected_state_dict_changes_nothing(case: str, live: bool) -> None:
     make, message = REJECTED[case]
     scaler = _target(live)
-    scaler.add_guard(ampscaler.SpikeGuard(window=8))
+    scaler.attach(ampscaler.SpikeGuard(window=8))
     before = _everything(scaler)
     with pytest.raises(ampscaler.InvalidStateDictError, match=message):
         scaler.load_state_dict(make())
@@ -109,7 +109,7 @@ def test_a_guard_warning_turned_into_an_error_leaves_the_scaler_as_it_was() -> N
     warning into an error (``-W error``, pytest's ``filterwarnings = error``) rejects the whole
     dict."""
     guarded = ampscaler.GradScaler("cpu", init_scale=1024.0, growth_interval=99)
-    guarded.add_guard(ampscaler.SpikeGuard())
+    guarded.attach(ampscaler.SpikeGuard())
     scaler = _target(live=True)
     before = _everything(scaler)
     with warnings.catch_warnings():
@@ -260,7 +260,7 @@ def test_guard_state_dropped_through_dcp_is_said_or_refused(tmp_path: Any) -> No
     """The checkpoint's guard state has no guard to go to: DCP's load warns as a direct load
     does, and a filter that makes the warning an error rejects the whole load."""
     saved = ampscaler.GradScaler("cpu", init_scale=1024.0)
-    saved.add_guard(ampscaler.SpikeGuard(window=16))
+    saved.attach(ampscaler.SpikeGuard(window=16))
     template = ampscaler.GradScaler("cpu", init_scale=8.0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="The checkpoint holds the state")

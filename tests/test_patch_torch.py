@@ -99,12 +99,12 @@ def test_isinstance_and_issubclass_hold_for_ours_and_for_torchs_made_before() ->
 
 
 def test_settings_reach_every_scaler_and_stateful_ones_are_never_shared() -> None:
-    made: list[object] = []
+    made: list[ampscaler.StepHistory] = []
     configured: list[ampscaler.GradScaler] = []
 
     def history() -> ampscaler.StepHistory:
         made.append(ampscaler.StepHistory(4))
-        return made[-1]  # type: ignore[return-value]
+        return made[-1]
 
     ampscaler.patch_torch(
         device="cpu", init_scale=2.0**10, hysteresis=2, max_consecutive_skips=7,
@@ -125,7 +125,8 @@ def test_settings_reach_every_scaler_and_stateful_ones_are_never_shared() -> Non
     first.scale(model(torch.ones(1, 2)).sum()).backward()
     first.step(opt)
     first.update()
-    assert len(first.history) == 1 and second.history == []
+    firsts, seconds = made  # in the order the scalers were built
+    assert len(firsts.records) == 1 and seconds.records == []
     assert first.state_dict()["guards"] != second.state_dict()["guards"]  # own windows
 
 

@@ -114,7 +114,7 @@ def test_fused_path_never_syncs(
 
 def _guarded(*args: Any, **kwargs: Any) -> ampscaler.GradScaler:
     scaler = ampscaler.GradScaler(*args, **kwargs)
-    scaler.add_guard(ampscaler.SpikeGuard(window=2, warmup=2))  # deciding from the third step
+    scaler.attach(ampscaler.SpikeGuard(window=2, warmup=2))  # deciding from the third step
     return scaler
 
 

@@ -16,6 +16,7 @@ import torch
 import ampscaler
 from ampscaler.policy import ScalePolicy, ScaleState
 from ampscaler.state import FOLD_EVERY, ScalerStats, StepCounters
+from scaler_readings import counts
 
 SCALES = [2.0**16, 3.0e4, 1.0, 2.0**-149, 2.0**127, 3.0e38, 1.7e-38]
 
@@ -98,7 +99,7 @@ def test_scaler_stats_count_skips_growths_and_backoffs() -> None:
         scaler.update()
         opt.zero_grad()
     # Scale: 8 -> 8 -> 16 (grow) -> 8 -> 4 -> 4 -> 2 -> 2 -> 4 (grow).
-    assert scaler.stats == ScalerStats(
+    assert counts(scaler) == ScalerStats(
         steps=8, skipped=3, growths=2, backoffs=3, consecutive_skips=0
     )
     assert scaler.get_scale() == 4.0
