@@ -163,7 +163,7 @@ def _try(
         scaler.update()
     else:
         scaler.update()
-        found = scaler.last_skip_reason == "nonfinite"
+        found = scaler.last_step_skipped and scaler.last_overflow is not None  # inf/NaN
     return float(loss.detach()), found
 
 
@@ -199,7 +199,7 @@ def run(work: Workload, way: Way, steps: int, max_attempts: int, outlier_every: 
                 tally.lost_to_scale += 1
     tally.scale = scaler.get_scale()
     if isinstance(scaler, ampscaler.GradScaler):
-        tally.replays = scaler.stats.replays
+        tally.replays = int(scaler.metrics("")["replays"])
     return tally
 
 
@@ -262,7 +262,7 @@ def clean_run_ratio(steps: int) -> float:
             for _ in scaler.attempts() if loop else range(1):
                 _try(work, scaler, model, opt, batch, False)
             seconds[loop].append(time.thread_time() - start)
-    assert all(scaler.stats.skipped == 0 for _, _, scaler, _ in runs)
+    assert all(scaler.metrics("")["skips"] == 0 for _, _, scaler, _ in runs)
     return statistics.median(seconds[True]) / statistics.median(seconds[False])
 
 
