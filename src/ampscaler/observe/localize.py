@@ -50,12 +50,12 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from ..grads.collect import grad_views
 from ..taps import GradTaps
+from .plain import Plain
 
 __all__ = [
     "LOSS_ORIGIN",
@@ -122,7 +122,7 @@ class ParamNames:
 
 
 @dataclass(frozen=True)
-class OverflowReport:
+class OverflowReport(Plain):
     """The parameters whose gradients were non-finite on one skipped step.
 
     Attributes:
@@ -189,35 +189,6 @@ class OverflowReport:
         return (
             f"step {self.step}{where}: non-finite gradients at scale {self.scale:g} in "
             f"{len(self.names)} parameter(s): {shown}{more}{also}{traced}"
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        """The report as plain JSON-ready data (the ``overflow`` field of a step record)."""
-        return {
-            "step": self.step,
-            "names": list(self.names),
-            "kinds": dict(self.kinds),
-            "scale": self.scale,
-            "rank": self.rank,
-            "ranks": list(self.ranks),
-            "origin": self.origin,
-            "cause": self.cause,
-            "micro_batch": self.micro_batch,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OverflowReport:
-        """The inverse of :meth:`as_dict`."""
-        return cls(
-            step=int(data["step"]),
-            names=[str(n) for n in data["names"]],
-            kinds={str(k): str(v) for k, v in data["kinds"].items()},
-            scale=float(data["scale"]),
-            rank=None if data.get("rank") is None else int(data["rank"]),
-            ranks=tuple(int(r) for r in data.get("ranks", ())),
-            origin=None if data.get("origin") is None else str(data["origin"]),
-            cause=None if data.get("cause") is None else str(data["cause"]),
-            micro_batch=None if data.get("micro_batch") is None else int(data["micro_batch"]),
         )
 
 

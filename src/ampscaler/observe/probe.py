@@ -74,6 +74,7 @@ import torch
 from ..errors import InvalidConfigError
 from ..grads.collect import grad_views
 from ..taps import GradTaps, WatchedModels
+from .plain import Plain
 
 __all__ = [
     "FP16_MAX",
@@ -91,12 +92,8 @@ SMALLEST_NORMAL = 2.0**-14
 WORST_MODULES = 10
 
 
-def _number(value: float) -> float | str:
-    return value if math.isfinite(value) else str(value)
-
-
 @dataclass(frozen=True)
-class UnderflowCounts:
+class UnderflowCounts(Plain):
     """Gradient elements as fp16 holds them: one module's on one probe, or any sum of those.
 
     Attributes:
@@ -130,19 +127,6 @@ class UnderflowCounts:
     def flushed_fraction(self) -> float:
         """Exactly zero among the elements carrying signal; 0 if none."""
         return self.flushed / self.carrying_signal if self.carrying_signal else 0.0
-
-    def as_dict(self) -> dict[str, int]:
-        """Plain JSON-ready data."""
-        return {
-            "carrying_signal": self.carrying_signal,
-            "underflowed": self.underflowed,
-            "flushed": self.flushed,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> UnderflowCounts:
-        """The inverse of :meth:`as_dict`."""
-        return cls(int(data["carrying_signal"]), int(data["underflowed"]), int(data["flushed"]))
 
 
 def _count(grad: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
@@ -190,7 +174,7 @@ def count_underflow(grad: torch.Tensor, reference: torch.Tensor | None = None) -
 
 
 @dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(Plain):
     """What one probe measured (the ``probe`` field of a step record).
 
     Attributes:
@@ -224,42 +208,6 @@ class ProbeResult:
     module_counts: dict[str, UnderflowCounts] = field(default_factory=dict)
     activations: UnderflowCounts | None = None
     activation_dtypes: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data; non-finite floats are written as strings (``"inf"``)."""
-        return {
-            "scale": self.scale,
-            "elements": self.elements,
-            "nonzero": self.nonzero,
-            "underflow_at_scale": self.underflow_at_scale,
-            "underflow_at_one": self.underflow_at_one,
-            "headroom_log2": _number(self.headroom_log2),
-            "modules": dict(self.modules),
-            "module_counts": {name: c.as_dict() for name, c in self.module_counts.items()},
-            "activations": None if self.activations is None else self.activations.as_dict(),
-            "activation_dtypes": list(self.activation_dtypes),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ProbeResult:
-        """The inverse of :meth:`as_dict`."""
-        return cls(
-            scale=float(data["scale"]),
-            elements=int(data["elements"]),
-            nonzero=int(data["nonzero"]),
-            underflow_at_scale=float(data["underflow_at_scale"]),
-            underflow_at_one=float(data["underflow_at_one"]),
-            headroom_log2=float(data["headroom_log2"]),  # float() also reads "inf", "nan"
-            modules={str(k): float(v) for k, v in data["modules"].items()},
-            module_counts={
-                str(k): UnderflowCounts.from_dict(v)
-                for k, v in data.get("module_counts", {}).items()
-            },
-            activations=None
-            if data.get("activations") is None
-            else UnderflowCounts.from_dict(data["activations"]),
-            activation_dtypes=tuple(str(d) for d in data.get("activation_dtypes", ())),
-        )
 
 
 def flushed_wording(dtypes: Sequence[str]) -> str:
