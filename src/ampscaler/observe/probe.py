@@ -73,6 +73,7 @@ import torch
 
 from ..errors import InvalidConfigError
 from ..grads.collect import grad_views
+from ..policy.base import FP16_MAX
 from ..taps import GradTaps, WatchedModels
 from .plain import Plain
 
@@ -86,7 +87,6 @@ __all__ = [
     "flushed_wording",
 ]
 
-FP16_MAX = 65504.0
 FLUSH_TO_ZERO = 2.0**-25  # fp16 rounds |x| <= 2**-25 to zero (half the smallest subnormal)
 SMALLEST_NORMAL = 2.0**-14
 WORST_MODULES = 10
