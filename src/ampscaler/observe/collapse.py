@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import struct
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..arguments import check_switch
 from ..errors import InvalidConfigError, ScaleFloorWarning, warn_at_caller
 from ..hostcopy import HostCopy
 from ..policy.base import LOWEST_SCALE
@@ -188,6 +190,7 @@ class CollapseAlert:
         )
 
 
+@dataclass(eq=False)
 class CollapseWatch:
     """Decides, every ``window`` iterations, whether the scale is collapsing (module docstring).
 
@@ -207,13 +210,13 @@ class CollapseWatch:
         InvalidConfigError: (a ``ValueError``) an argument out of range, naming it.
     """
 
-    def __init__(
-        self,
-        scale_drop: float | None = 2.0**-10,
-        skip_rate: float | None = 0.25,
-        window: int = 100,
-        log: bool = True,
-    ) -> None:
+    scale_drop: float | None = 2.0**-10
+    skip_rate: float | None = 0.25
+    window: int = 100
+    log: bool = True
+
+    def __post_init__(self) -> None:
+        scale_drop, skip_rate, window = self.scale_drop, self.skip_rate, self.window
         if scale_drop is not None and not (_number(scale_drop) and 0 < scale_drop < 1):
             raise InvalidConfigError(
                 f"scale_drop must be a number in (0, 1) or None, got {scale_drop!r}."
@@ -224,12 +227,7 @@ class CollapseWatch:
             )
         if isinstance(window, bool) or not isinstance(window, int) or window < 10:
             raise InvalidConfigError(f"window must be an int >= 10, got {window!r}.")
-        if not isinstance(log, bool):
-            raise InvalidConfigError(f"log must be True or False, got {log!r}.")
-        self.scale_drop = scale_drop
-        self.skip_rate = skip_rate
-        self.window = window
-        self.log = log
+        check_switch("log", self.log)
         self._updates = 0
         self._pending: HostCopy | None = None
         self._last: tuple[float, float] | None = None  # (steps, skipped) at the last check
@@ -402,13 +400,7 @@ class CollapseWatch:
 
     def fresh(self) -> CollapseWatch:
         """A watch with the same settings that has seen nothing (for a copied scaler)."""
-        return CollapseWatch(self.scale_drop, self.skip_rate, self.window, self.log)
-
-    def __repr__(self) -> str:
-        return (
-            f"CollapseWatch(scale_drop={self.scale_drop}, skip_rate={self.skip_rate}, "
-            f"window={self.window}, log={self.log})"
-        )
+        return dataclasses.replace(self)
 
 
 def _number(value: object) -> bool:

@@ -198,7 +198,8 @@ _CAUSE_NOTE = {
 }
 
 
-def _rank() -> int | None:
+def process_rank() -> int | None:
+    """The process's rank in the default process group, ``None`` when not distributed."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
@@ -266,7 +267,7 @@ def locate_overflow(
         names=list(found),
         kinds=found,
         scale=scale,
-        rank=_rank(),
+        rank=process_rank(),
         origin=origin,
         cause=cause,
     )
