@@ -27,7 +27,7 @@ from __future__ import annotations
 import textwrap
 import warnings
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, overload
 
@@ -233,11 +233,8 @@ class MasterWeightOptimizer(Optimizer):
         Raises:
             ValueError: ``param`` is not one of this optimizer's parameters.
         """
-        master = self._master_of.get(param)
-        if master is not None:
-            return master
-        if any(param is t for t in self.master_params()):
-            return param
+        if param in self._master_of or any(param is t for t in self.master_params()):
+            return self._master_of.get(param, param)
         raise ValueError(
             f"this tensor (shape {tuple(param.shape)}, {param.dtype}) is not a parameter of "
             "this optimizer; add it with add_param_group() first."
@@ -523,10 +520,7 @@ class MasterWeightOptimizer(Optimizer):
         self._init_hook_registries()
 
     def __repr__(self) -> str:
-        counts: dict[str, int] = {}
-        for param, _ in self._pairs:
-            name = _dtype_name(param.dtype)
-            counts[name] = counts.get(name, 0) + 1
+        counts = Counter(_dtype_name(param.dtype) for param, _ in self._pairs)
         by_dtype = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
         elements = sum(master.numel() for _, master in self._pairs)
         n_direct = sum(1 for t in self.master_params() if t not in self._model_of)

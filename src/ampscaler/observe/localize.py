@@ -46,12 +46,12 @@ Example:
 from __future__ import annotations
 
 import math
-import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..grads.collect import grad_views
 from ..taps import GradTaps
@@ -83,8 +83,7 @@ class ParamNames:
     """
 
     def __init__(self) -> None:
-        # id(param) -> (weak reference, name); the reference guards against a reused id.
-        self._names: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self._names: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Learn the names of ``model``'s parameters (prefixed with ``prefix`` + ``.``)."""
@@ -95,19 +94,14 @@ class ParamNames:
             )
         lead = f"{prefix}." if prefix else ""
         for name, param in model.named_parameters():
-            if self._lookup(param) is None:
-                self._names[id(param)] = (weakref.ref(param), lead + name)
-
-    def _lookup(self, param: torch.Tensor) -> str | None:
-        entry = self._names.get(id(param))
-        if entry is None or entry[0]() is not param:
-            return None
-        return entry[1]
+            if param not in self._names:
+                self._names[param] = lead + name
 
     def name(self, param: torch.Tensor, group_index: int, param_index: int) -> str:
         """The watched name of ``param``, or its position in the optimizer."""
-        found = self._lookup(param)
-        return found if found is not None else f"group{group_index}.param{param_index}"
+        if param in self._names:
+            return str(self._names[param])
+        return f"group{group_index}.param{param_index}"
 
     def __len__(self) -> int:
         return len(self._names)
@@ -118,7 +112,7 @@ class ParamNames:
         return {}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self._names = {}
+        self.__init__()  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
