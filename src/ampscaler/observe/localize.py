@@ -106,13 +106,10 @@ class ParamNames:
     def __len__(self) -> int:
         return len(self._names)
 
-    def __getstate__(self) -> dict[str, object]:
+    def __reduce__(self) -> tuple[type[ParamNames], tuple[()]]:
         # Weak references cannot be pickled, and a copy's parameters are new tensors anyway:
         # a copied scaler learns names again through watch().
-        return {}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__()  # type: ignore[misc]
+        return ParamNames, ()
 
 
 @dataclass(frozen=True)
@@ -371,13 +368,10 @@ class NonFiniteTracer:
         # watched modules (a plain function), and reached this one first.
         return next(name for name, ok in received if not ok)
 
-    def __getstate__(self) -> dict[str, object]:
+    def __reduce__(self) -> tuple[type[NonFiniteTracer], tuple[()]]:
         # Hooks belong to this process and these models: a copy is a fresh tracer, tapping the
         # models its scaler watches anew.
-        return {}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__()  # type: ignore[misc]
+        return NonFiniteTracer, ()
 
     def __repr__(self) -> str:
         return "NonFiniteTracer()"

@@ -62,9 +62,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,6 +295,7 @@ def _check_count(name: str, value: object, *, optional: bool) -> None:
         raise InvalidConfigError(f"GradientProbe {name} must be an int >= 1{none}, got {value!r}.")
 
 
+@dataclass(eq=False)
 class GradientProbe:
     """Measures the gradients of every ``every``-th iteration; see the module docstring.
 
@@ -305,11 +307,12 @@ class GradientProbe:
         InvalidConfigError: (a ``ValueError``) ``every`` or ``worst_modules`` is not an int >= 1.
     """
 
-    def __init__(self, every: int = 1, *, worst_modules: int | None = WORST_MODULES) -> None:
-        _check_count("every", every, optional=False)
-        _check_count("worst_modules", worst_modules, optional=True)
-        self._every = every
-        self._worst_modules = worst_modules
+    every: int = 1
+    worst_modules: int | None = field(default=WORST_MODULES, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_count("every", self.every, optional=False)
+        _check_count("worst_modules", self.worst_modules, optional=True)
         self._taps = GradTaps(self._tap)
         self._models = WatchedModels()
         self._iteration = 0
@@ -325,14 +328,9 @@ class GradientProbe:
         self._dtypes: set[torch.dtype] = set()
 
     @property
-    def every(self) -> int:
-        """The probe's period, in iterations."""
-        return self._every
-
-    @property
     def due(self) -> bool:
         """Whether the iteration in progress is probed."""
-        return self._iteration % self._every == 0
+        return self._iteration % self.every == 0
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Measure the leaf modules of ``model`` (names prefixed by ``prefix``) on probed
@@ -431,20 +429,14 @@ class GradientProbe:
             self._elements,
             torch.cat(parts),
             list(self._modules),
-            self._worst_modules,
+            self.worst_modules,
             tuple(sorted(str(dtype).removeprefix("torch.") for dtype in self._dtypes)),
         )
         self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
         self._dtypes = set()
         return pending
 
-    def __getstate__(self) -> dict[str, object]:
+    def __reduce__(self) -> tuple[Callable[..., GradientProbe], tuple[Any, ...]]:
         # Hooks and watched models belong to this process: a copy starts a fresh schedule and
         # is given its scaler's models anew.
-        return {"every": self._every, "worst_modules": self._worst_modules}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["every"], worst_modules=state["worst_modules"])  # type: ignore[misc]
-
-    def __repr__(self) -> str:
-        return f"GradientProbe(every={self._every}, worst_modules={self._worst_modules})"
+        return functools.partial(GradientProbe, worst_modules=self.worst_modules), (self.every,)
