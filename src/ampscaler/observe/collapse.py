@@ -238,6 +238,10 @@ class CollapseWatch:
         self._warned = False  # a ScaleFloorWarning was issued (once per scaler)
         self._window_ended: int | None = None  # the update that ended a window not yet judged
         self._last_scale = math.inf  # the scale in the latest copy
+        #: What the overflow reports said so far (the scaler's monitor counts them here).
+        self.tally = OverflowTally()
+        #: The scaler's ``"collapse"`` callbacks, called with each alert.
+        self.callbacks: list[Callable[[CollapseAlert], Any]] = []
 
     @property
     def active(self) -> bool:
@@ -274,8 +278,6 @@ class CollapseWatch:
     def look(
         self,
         snapshot: Callable[[], torch.Tensor],
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
         latest_cause: Callable[[], str | None] = lambda: None,
     ) -> None:
         """Start copying ``snapshot()`` (:func:`snapshot_of`) to the host; once a copy has
@@ -291,38 +293,24 @@ class CollapseWatch:
             scale = self._last_scale = struct.unpack("<f", struct.pack("<i", bits))[0]
             if self._window_ended is not None and pending.at >= self._window_ended:
                 self._window_ended = None
-                self._judge(steps, skipped, scale, tally, callbacks)
-            self._check_floor(int(steps) - 1, int(in_a_row), scale, tally, callbacks, latest_cause)
+                self._judge(steps, skipped, scale)
+            self._check_floor(int(steps) - 1, int(in_a_row), scale, latest_cause)
 
-    def note_skip(
-        self,
-        report: OverflowReport,
-        in_a_row: Callable[[], int],
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
-    ) -> None:
+    def note_skip(self, report: OverflowReport, in_a_row: Callable[[], int]) -> None:
         """A step was skipped, known on the host (the non-fused path, whose ``step()`` read its
         verdict): if it ran at the floor, warn now, before any step runs there.
         ``in_a_row()`` gives the skipped steps in a row before this one (read only then: a
-        host sync on a skipped step, which syncs anyway); ``tally`` has counted ``report``."""
+        host sync on a skipped step, which syncs anyway); :attr:`tally` has counted ``report``."""
         if report.scale > LOWEST_SCALE:
             self._at_floor = False
         elif not self._at_floor:
             cause = report.cause
-            self._check_floor(
-                report.step, in_a_row() + 1, report.scale, tally, callbacks, lambda: cause
-            )
+            self._check_floor(report.step, in_a_row() + 1, report.scale, lambda: cause)
 
     def _check_floor(
-        self,
-        step: int,
-        in_a_row: int,
-        scale: float,
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
-        latest_cause: Callable[[], str | None],
+        self, step: int, in_a_row: int, scale: float, latest_cause: Callable[[], str | None]
     ) -> None:
-        """Call ``callbacks`` with the alert once per stay at the floor, and warn
+        """Call :attr:`callbacks` with the alert once per stay at the floor, and warn
         (:class:`~ampscaler.ScaleFloorWarning`) at the first. How many of the ``in_a_row``
         skips came with a non-finite loss: as the reports say, or at least the latest by
         ``latest_cause()``."""
@@ -332,7 +320,7 @@ class CollapseWatch:
         if self._at_floor:
             return
         self._at_floor = True
-        loss_in_a_row = min(tally.loss_run, in_a_row)
+        loss_in_a_row = min(self.tally.loss_run, in_a_row)
         if in_a_row and not loss_in_a_row and latest_cause() == "loss":
             loss_in_a_row = 1
         alert = CollapseAlert(
@@ -342,25 +330,18 @@ class CollapseWatch:
             max_scale=self._max_scale or scale,
             skip_rate=1.0 if in_a_row else 0.0,
             reasons=("floor",),
-            causes=dict(tally.causes),
-            parameters=tally.parameters.most_common(5),
+            causes=dict(self.tally.causes),
+            parameters=self.tally.parameters.most_common(5),
             in_a_row=in_a_row,
             loss_in_a_row=loss_in_a_row,
         )
         if not self._warned:  # a scale that leaves the floor and returns warns no more
             self._warned = True
             warn_at_caller(str(alert), ScaleFloorWarning)
-        for fn in list(callbacks):
+        for fn in list(self.callbacks):
             fn(alert)
 
-    def _judge(
-        self,
-        steps: float,
-        skipped: float,
-        scale: float,
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
-    ) -> None:
+    def _judge(self, steps: float, skipped: float, scale: float) -> None:
         last_steps, last_skipped = self._last or (0.0, 0.0)
         self._last = (steps, skipped)
         done = steps - last_steps
@@ -389,13 +370,13 @@ class CollapseWatch:
             max_scale=self._max_scale,
             skip_rate=rate,
             reasons=tuple(reasons),
-            causes=dict(tally.causes),
-            parameters=tally.parameters.most_common(5),
+            causes=dict(self.tally.causes),
+            parameters=self.tally.parameters.most_common(5),
         )
         if self.log and not self._logged:
             self._logged = True
             logger.warning("%s", alert)
-        for fn in list(callbacks):
+        for fn in list(self.callbacks):
             fn(alert)
 
     def fresh(self) -> CollapseWatch:

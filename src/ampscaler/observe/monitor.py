@@ -39,7 +39,7 @@ from ..hooks import Hook
 from ..hostcopy import read_values
 from ..taps import WatchedModels
 from . import localize
-from .collapse import CollapseAlert, CollapseWatch, OverflowTally, snapshot_of
+from .collapse import CollapseAlert, CollapseWatch, snapshot_of
 from .delivery import Delivery
 from .localize import NonFiniteTracer, OverflowReport, ParamNames, TraceEvent, merge_reports
 from .probe import GradientProbe, PendingProbe
@@ -110,7 +110,7 @@ class Monitor(Hook):
         self._probe: GradientProbe | None = None
         self._tracer: NonFiniteTracer | None = None
         self.collapse = CollapseWatch()
-        self.tally = OverflowTally()
+        self.collapse.callbacks = self._callbacks["collapse"]
         self._models = WatchedModels()
 
     # ------------------------------------------------------------------ configuration
@@ -147,6 +147,7 @@ class Monitor(Hook):
             InvalidConfigError: (a ``ValueError``) a probe or tracer is attached already.
         """
         if isinstance(plugin, CollapseWatch):
+            plugin.tally, plugin.callbacks = self.collapse.tally, self.collapse.callbacks
             self.collapse = plugin
             return True
         if isinstance(plugin, GradientProbe):
@@ -234,13 +235,8 @@ class Monitor(Hook):
         observed = _observed(iteration)
         observed.reports.append(report)
         observed.localized.add(id(record.optimizer))
-        self.tally.add(report)
-        self.collapse.note_skip(
-            report,
-            lambda: int(counters.consecutive_skips.item()),
-            self.tally,
-            self._callbacks["collapse"],
-        )
+        self.collapse.tally.add(report)
+        self.collapse.note_skip(report, lambda: int(counters.consecutive_skips.item()))
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
         """Emit the iteration's record if anything consumes records; move the probe on; keep
@@ -258,10 +254,7 @@ class Monitor(Hook):
             new_scale = live.scale
             counters = live.counters
             collapse.look(
-                lambda: snapshot_of(counters, new_scale),
-                self.tally,
-                self._callbacks["collapse"],
-                lambda: iteration.loss_origin().cause,
+                lambda: snapshot_of(counters, new_scale), lambda: iteration.loss_origin().cause
             )
         return collapse.next_due()
 
@@ -350,7 +343,7 @@ class Monitor(Hook):
             scale = float(iteration.scale.item())
             report = self._localize(overflowed, step, scale, events, iteration)
             reports.append(report)
-            self.tally.add(report)
+            self.collapse.tally.add(report)
         observed.report = merge_reports(reports) if reports else None
         observed.resolved = True
         return observed.report
