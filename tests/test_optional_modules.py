@@ -5,11 +5,12 @@ The package is copied to a temporary directory, the feature's modules are delete
 line of code that names what they define (their public module-level names) is removed: a name
 in an import list is taken out of the list; a line that is only a registration (an entry of
 ``__all__`` or of a table, a hook added to the scaler's list, the object an opt-in switch turns
-on) is dropped, and ``pass`` stands in for it inside a block. A name in an annotation stays: every
-module has ``from __future__ import annotations``, so annotations are never evaluated and the
-copy imports and runs with them (a type checker would ask for them to go too). Any other line
-naming it fails the test: the core would need more than its registration removed. Then a
-subprocess trains, checkpoints and resumes with the copy.
+on) is dropped, and ``pass`` stands in for it inside a block. A name in an annotation stays where
+the module has ``from __future__ import annotations`` (every core module that annotates does):
+its annotations are never evaluated, so the copy imports and runs with them (a type checker
+would ask for them to go too). Any other line naming it fails the test: the core would need
+more than its registration removed. Then a subprocess trains, checkpoints and resumes with the
+copy.
 """
 
 from __future__ import annotations
@@ -228,3 +229,26 @@ def test_a_line_that_needs_the_feature_is_found(tmp_path: Path) -> None:
     assert _strip('from .x import A, B\n__all__ = [\n    "A",\n]\n', {"A"}, "pkg.py") == (
         "from .x import B\n__all__ = [\n]\n"
     )
+
+
+def test_annotations_stay_and_emptied_blocks_keep_a_pass() -> None:
+    """A name only in never-evaluated annotations is left; a removed line inside a block leaves
+    ``pass``; without the ``__future__`` import an annotation is code like any other."""
+    source = (
+        "from __future__ import annotations\n"
+        "if TYPE_CHECKING:\n"
+        "    from .x import A\n"
+        "def f(a: A | None) -> A:\n"
+        "    if on:\n"
+        "        self._a = A()\n"
+    )
+    assert _strip(source, {"A"}, "pkg.py") == (
+        "from __future__ import annotations\n"
+        "if TYPE_CHECKING:\n"
+        "    pass\n"
+        "def f(a: A | None) -> A:\n"
+        "    if on:\n"
+        "        pass\n"
+    )
+    with pytest.raises(AssertionError, match="needs more than a registration"):
+        _strip("def f(a: A) -> None:\n    pass\n", {"A"}, "pkg.py")

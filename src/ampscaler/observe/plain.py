@@ -48,9 +48,19 @@ class Plain:
         Raises:
             TypeError, ValueError, AttributeError: a field is missing or has the wrong type.
         """
+        fields = _typed_fields(cls)
+        return cls(**{name: _typed(hint, data[name]) for name, hint in fields if name in data})
+
+
+#: ``(name, annotated type)`` of each field, per class (read once per class).
+_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _typed_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    if cls not in _FIELDS:
         hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        return cls(**{name: _typed(hints[name], data[name]) for name in names if name in data})
+        _FIELDS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+    return _FIELDS[cls]
 
 
 def _plain(value: object) -> Any:
