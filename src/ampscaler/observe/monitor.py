@@ -231,7 +231,8 @@ class Monitor(Hook):
         step = int(counters.steps.item())
         events = None if self._tracer is None else self._tracer.events
         scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
-        report = self._localize([record.optimizer], step, scale, events, iteration, record.origin)
+        origin = iteration.loss_origin() if record.origin is None else record.origin
+        report = self._localize([record.optimizer], step, scale, events, origin)
         observed = _observed(iteration)
         observed.reports.append(report)
         observed.localized.add(id(record.optimizer))
@@ -305,21 +306,16 @@ class Monitor(Hook):
         step: int,
         scale: float,
         events: list[TraceEvent] | None,
-        iteration: Iteration | None,
-        origin: SkipOrigin | None = None,
+        origin: SkipOrigin,
     ) -> OverflowReport:
-        if origin is None and iteration is not None:
-            origin = iteration.loss_origin()
         report = localize.locate_overflow(
             optimizers,
             self.names,
             step=step,
             scale=scale,
             origin=None if events is None else NonFiniteTracer.origin(events),
-            cause=None if origin is None else origin.cause,
+            cause=origin.cause,
         )
-        if origin is None:
-            return report
         return dataclasses.replace(report, ranks=origin.ranks, micro_batch=origin.micro_batch)
 
     def _resolve(self, iteration: Iteration, step: int) -> OverflowReport | None:
@@ -341,7 +337,7 @@ class Monitor(Hook):
             if events is None and self._tracer is not None:
                 events = self._tracer.events
             scale = float(iteration.scale.item())
-            report = self._localize(overflowed, step, scale, events, iteration)
+            report = self._localize(overflowed, step, scale, events, iteration.loss_origin())
             reports.append(report)
             self.collapse.tally.add(report)
         observed.report = merge_reports(reports) if reports else None
