@@ -490,10 +490,7 @@ class MasterWeightOptimizer(Optimizer):
         self._inner.load_state_dict(inner_state_dict)
         with torch.no_grad():
             for index, master in masters.items():
-                if saved is None:
-                    master.copy_(self._model_of[master])
-                else:
-                    master.copy_(saved[index])
+                master.copy_(self._model_of[master] if saved is None else saved[index])
         self._copy_masters_to_model()
         self._copied_grads = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
