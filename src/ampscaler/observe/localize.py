@@ -45,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -279,18 +280,9 @@ def merge_reports(reports: Sequence[OverflowReport]) -> OverflowReport:
     for report in reports:
         for name in report.names:
             kinds.setdefault(name, report.kinds[name])
-    first = reports[0]
     origin = next((r.origin for r in reports if r.origin is not None), None)
-    return OverflowReport(
-        step=first.step,
-        names=list(kinds),
-        kinds=kinds,
-        scale=first.scale,
-        rank=first.rank,
-        ranks=first.ranks,
-        origin=origin,
-        cause=first.cause,  # the iteration's losses: the same for every optimizer
-    )
+    # The step, scale, rank and what the iteration's losses say are the same in every report.
+    return dataclasses.replace(reports[0], names=list(kinds), kinds=kinds, origin=origin)
 
 
 def _finite_flag(grad: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Step records as plain data (observe/plain.py): every field round-trips through a JSONL line."""
+"""What the observers produce: step records as plain data (observe/plain.py), every field
+round-tripping through a JSONL line, and the overflow reports they are made of."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from pathlib import Path
 
 import ampscaler
+from ampscaler.observe.localize import merge_reports
 from ampscaler.observe.probe import ProbeResult, UnderflowCounts
 
 
@@ -39,3 +41,17 @@ def test_nested_results_round_trip_with_their_types() -> None:
     assert "spike" not in data and "attempt" not in data and "loss" not in data
     back = ampscaler.StepRecord.from_dict(data)
     assert back == record and isinstance(back.overflow.ranks, tuple)  # type: ignore[union-attr]
+
+
+def test_a_merged_report_keeps_what_the_iterations_losses_say() -> None:
+    """Two optimizers skipped for the same non-finite loss: the iteration's report keeps the
+    micro-batch it came from (it was dropped when the reports were merged)."""
+    first, second = (
+        ampscaler.OverflowReport(
+            step=5, names=[name], kinds={name: "nan"}, scale=4.0, cause="loss", micro_batch=2
+        )
+        for name in ("a", "b")
+    )
+    merged = merge_reports([first, second])
+    assert merged.names == ["a", "b"] and merged.kinds == {"a": "nan", "b": "nan"}
+    assert (merged.cause, merged.micro_batch, merged.step, merged.scale) == ("loss", 2, 5, 4.0)
