@@ -212,10 +212,7 @@ class Monitor(Hook):
     def history(self) -> list[StepRecord]:
         """The records of the first :class:`~ampscaler.StepHistory` added, oldest first (empty
         without one)."""
-        for sink in self._sinks:
-            if isinstance(sink, StepHistory):
-                return sink.records
-        return []
+        return next((s.records for s in self._sinks if isinstance(s, StepHistory)), [])
 
     # ------------------------------------------------------------------ the moments
 
