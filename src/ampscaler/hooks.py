@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
@@ -195,6 +195,9 @@ class _Periodic:
     since: int = 0
 
 
+_H = TypeVar("_H", bound=Hook)
+
+
 class HookList:
     """A scaler's hooks in the order they were added, and for each moment those that override
     it (plain tuples: the scaler loops over them; an empty one costs a loop over nothing).
@@ -226,7 +229,7 @@ class HookList:
     def __iter__(self) -> Iterator[Hook]:
         return iter(list(self._hooks))
 
-    def add(self, hook: Hook) -> Hook:
+    def add(self, hook: _H) -> _H:
         """Add ``hook`` after the others.
 
         Raises:

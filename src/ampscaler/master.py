@@ -27,7 +27,7 @@ from __future__ import annotations
 import textwrap
 import warnings
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, overload
 
@@ -150,11 +150,10 @@ class MasterWeightOptimizer(Optimizer):
         # Version counter of each model param right after the last write from a master;
         # a different value means the model was written from outside (see _sync_from_model).
         self._model_versions: list[int] = []
-        # Set by copy_grads_to_masters, cleared by step() and zero_grad(). With it, weak
-        # references to the model grads that were copied and their version counters, to
-        # tell "same grads, already copied" from "a new backward ran since".
-        self._grads_copied = False
-        self._copied_grads: list[tuple[weakref.ref[Tensor] | None, int]] = []
+        # Set by copy_grads_to_masters, None after step() and zero_grad(): weak references to
+        # the model grads that were copied and their version counters, to tell "same grads,
+        # already copied" from "a new backward ran since".
+        self._copied_grads: list[tuple[weakref.ref[Tensor] | None, int]] | None = None
 
         # Make every master before rewiring any group, so that a bad parameter raises
         # with the caller's optimizer still untouched.
@@ -233,11 +232,8 @@ class MasterWeightOptimizer(Optimizer):
         Raises:
             ValueError: ``param`` is not one of this optimizer's parameters.
         """
-        master = self._master_of.get(param)
-        if master is not None:
-            return master
-        if any(param is t for t in self.master_params()):
-            return param
+        if param in self._master_of or any(param is t for t in self.master_params()):
+            return self._master_of.get(param, param)
         raise ValueError(
             f"this tensor (shape {tuple(param.shape)}, {param.dtype}) is not a parameter of "
             "this optimizer; add it with add_param_group() first."
@@ -265,7 +261,7 @@ class MasterWeightOptimizer(Optimizer):
         Raises:
             RuntimeError: a low-precision parameter has a sparse gradient.
         """
-        if self._grads_copied and self._copied_grads_are_current():
+        if self._copied_grads_are_current():
             return
         copied: list[tuple[weakref.ref[Tensor] | None, int]] = []
         with torch.no_grad():
@@ -289,7 +285,6 @@ class MasterWeightOptimizer(Optimizer):
                     master.grad.copy_(grad)
                 copied.append((weakref.ref(grad), grad._version))
         self._copied_grads = copied
-        self._grads_copied = True
 
     def prepare_grads_for_scaler(self) -> None:
         """What ``ampscaler.GradScaler`` calls before it reads this optimizer's gradients (the
@@ -335,7 +330,7 @@ class MasterWeightOptimizer(Optimizer):
         """
         self._check_no_unmastered_low_precision()
         forwarded = [name for name in _AMP_STEP_ATTRS if name in self.__dict__]
-        if forwarded and not self._grads_copied:
+        if forwarded and self._copied_grads is None:
             raise RuntimeError(
                 "A scaler set grad_scale/found_inf for this step, but copy_grads_to_masters() "
                 "had not run, so the scaler checked masters that had no gradients yet and "
@@ -347,7 +342,7 @@ class MasterWeightOptimizer(Optimizer):
         inner_closure: Callable[[], float] | None = None
         if closure is not None:
             inner_closure = self._master_closure(closure)
-        elif not self._grads_copied:
+        elif self._copied_grads is None:
             self.copy_grads_to_masters()
         elif not self._copied_grads_are_current():
             raise RuntimeError(
@@ -369,7 +364,7 @@ class MasterWeightOptimizer(Optimizer):
                     delattr(self._inner, name)
 
         self._copy_masters_to_model()
-        self._forget_copied_grads()
+        self._copied_grads = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -382,7 +377,7 @@ class MasterWeightOptimizer(Optimizer):
         self._inner.zero_grad(set_to_none)
         for param, _ in self._pairs:
             _reset_grad(param, set_to_none)
-        self._forget_copied_grads()
+        self._copied_grads = None
 
     # --- parameter groups -----------------------------------------------------------------
 
@@ -425,7 +420,7 @@ class MasterWeightOptimizer(Optimizer):
             del self._pairs[n_before:]
             del self._model_versions[n_before:]
             raise
-        self._forget_copied_grads()
+        self._copied_grads = None
 
     # --- checkpoints ------------------------------------------------------------------------
 
@@ -495,12 +490,9 @@ class MasterWeightOptimizer(Optimizer):
         self._inner.load_state_dict(inner_state_dict)
         with torch.no_grad():
             for index, master in masters.items():
-                if saved is None:
-                    master.copy_(self._model_of[master])
-                else:
-                    master.copy_(saved[index])
+                master.copy_(self._model_of[master] if saved is None else saved[index])
         self._copy_masters_to_model()
-        self._forget_copied_grads()
+        self._copied_grads = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -513,20 +505,15 @@ class MasterWeightOptimizer(Optimizer):
         # per-step attributes, and the weak references to the last copied grads. A copy
         # starts with "grads not copied yet".
         transient = {*_HOOK_REGISTRIES, *_AMP_STEP_ATTRS, "step", "_copied_grads"}
-        state = {key: value for key, value in self.__dict__.items() if key not in transient}
-        state["_grads_copied"] = False
-        return state
+        return {key: value for key, value in self.__dict__.items() if key not in transient}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._copied_grads = []
+        self._copied_grads = None
         self._init_hook_registries()
 
     def __repr__(self) -> str:
-        counts: dict[str, int] = {}
-        for param, _ in self._pairs:
-            name = _dtype_name(param.dtype)
-            counts[name] = counts.get(name, 0) + 1
+        counts = Counter(_dtype_name(param.dtype) for param, _ in self._pairs)
         by_dtype = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
         elements = sum(master.numel() for _, master in self._pairs)
         n_direct = sum(1 for t in self.master_params() if t not in self._model_of)
@@ -609,7 +596,7 @@ class MasterWeightOptimizer(Optimizer):
                 index += 1
 
     def _copied_grads_are_current(self) -> bool:
-        if len(self._copied_grads) != len(self._pairs):
+        if self._copied_grads is None or len(self._copied_grads) != len(self._pairs):
             return False
         for (param, _), (grad_ref, version) in zip(self._pairs, self._copied_grads, strict=True):
             grad = param.grad
@@ -619,10 +606,6 @@ class MasterWeightOptimizer(Optimizer):
             elif grad is None or grad is not grad_ref() or grad._version != version:
                 return False
         return True
-
-    def _forget_copied_grads(self) -> None:
-        self._grads_copied = False
-        self._copied_grads = []
 
     def _copy_masters_to_model(self) -> None:
         with torch.no_grad():
@@ -656,7 +639,7 @@ class MasterWeightOptimizer(Optimizer):
             self._copy_masters_to_model()
             with torch.enable_grad():
                 loss = closure()
-            self._forget_copied_grads()
+            self._copied_grads = None
             self.copy_grads_to_masters()
             return loss
 

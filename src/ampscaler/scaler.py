@@ -96,7 +96,7 @@ def _deprecated(old: str, new: str) -> None:
     )
 
 
-SinkT = TypeVar("SinkT", bound=Sink)
+SinkT = TypeVar("SinkT", bound="Sink")
 PluginT = TypeVar("PluginT")
 
 
@@ -268,7 +268,9 @@ class GradScaler(TorchPrivateNames):
         self._init_scale = starting_scale(chosen, init_scale)
         self._init_growth_tracker = 0
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
-        self._planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
+        self._planner: GradPlanner | None = None  # flat buffers (opt-in: grads/flat.py)
+        if check_switch("flat_grads", flat_grads):
+            self._planner = GradPlanner()
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
         self._agreement, self._world_expected = agreement_for(
@@ -282,7 +284,7 @@ class GradScaler(TorchPrivateNames):
         self._last_batch_clean = False
         self._warned_flushed = False  # metrics() said that every measured gradient flushed
         self._hooks = HookList()
-        self._hooks.add(Monitor(enabled=self._enabled))  # overflow reports, sinks, probes...
+        self._observers = self._hooks.add(Monitor(enabled=self._enabled))  # reports, sinks...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
         self._watched = WatchedModels()  # for the policy's meter
         self._add_meter(chosen, 0)
@@ -1260,11 +1262,6 @@ class GradScaler(TorchPrivateNames):
         return self._observers.last_overflow(iteration, in_progress, counters)
 
     # ------------------------------------------------------------------ plug-ins
-
-    @property
-    def _observers(self) -> Monitor:
-        """The hook that holds the observers (always in the list)."""
-        return self._hooks.find(Monitor)  # type: ignore[no-any-return]
 
     def attach(self, plugin: PluginT) -> PluginT:
         """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (what

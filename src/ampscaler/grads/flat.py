@@ -273,11 +273,8 @@ class GradPlanner:
             weakref.WeakKeyDictionary()
         )
 
-    def __getstate__(self) -> dict[str, object]:
-        return {}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__()  # type: ignore[misc]
+    def __reduce__(self) -> tuple[type[GradPlanner], tuple[()]]:
+        return GradPlanner, ()  # a copy plans afresh
 
     def groups(
         self, optimizer: torch.optim.Optimizer, allow_fp16: bool, local: bool = False

@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import struct
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..arguments import check_switch
 from ..errors import InvalidConfigError, ScaleFloorWarning, warn_at_caller
 from ..hostcopy import HostCopy
 from ..policy.base import LOWEST_SCALE
@@ -188,6 +190,7 @@ class CollapseAlert:
         )
 
 
+@dataclass(eq=False)
 class CollapseWatch:
     """Decides, every ``window`` iterations, whether the scale is collapsing (module docstring).
 
@@ -207,13 +210,13 @@ class CollapseWatch:
         InvalidConfigError: (a ``ValueError``) an argument out of range, naming it.
     """
 
-    def __init__(
-        self,
-        scale_drop: float | None = 2.0**-10,
-        skip_rate: float | None = 0.25,
-        window: int = 100,
-        log: bool = True,
-    ) -> None:
+    scale_drop: float | None = 2.0**-10
+    skip_rate: float | None = 0.25
+    window: int = 100
+    log: bool = True
+
+    def __post_init__(self) -> None:
+        scale_drop, skip_rate, window = self.scale_drop, self.skip_rate, self.window
         if scale_drop is not None and not (_number(scale_drop) and 0 < scale_drop < 1):
             raise InvalidConfigError(
                 f"scale_drop must be a number in (0, 1) or None, got {scale_drop!r}."
@@ -224,12 +227,7 @@ class CollapseWatch:
             )
         if isinstance(window, bool) or not isinstance(window, int) or window < 10:
             raise InvalidConfigError(f"window must be an int >= 10, got {window!r}.")
-        if not isinstance(log, bool):
-            raise InvalidConfigError(f"log must be True or False, got {log!r}.")
-        self.scale_drop = scale_drop
-        self.skip_rate = skip_rate
-        self.window = window
-        self.log = log
+        check_switch("log", self.log)
         self._updates = 0
         self._pending: HostCopy | None = None
         self._last: tuple[float, float] | None = None  # (steps, skipped) at the last check
@@ -240,6 +238,10 @@ class CollapseWatch:
         self._warned = False  # a ScaleFloorWarning was issued (once per scaler)
         self._window_ended: int | None = None  # the update that ended a window not yet judged
         self._last_scale = math.inf  # the scale in the latest copy
+        #: What the overflow reports said so far (the scaler's monitor counts them here).
+        self.tally = OverflowTally()
+        #: The scaler's ``"collapse"`` callbacks, called with each alert.
+        self.callbacks: list[Callable[[CollapseAlert], Any]] = []
 
     @property
     def active(self) -> bool:
@@ -276,8 +278,6 @@ class CollapseWatch:
     def look(
         self,
         snapshot: Callable[[], torch.Tensor],
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
         latest_cause: Callable[[], str | None] = lambda: None,
     ) -> None:
         """Start copying ``snapshot()`` (:func:`snapshot_of`) to the host; once a copy has
@@ -293,38 +293,24 @@ class CollapseWatch:
             scale = self._last_scale = struct.unpack("<f", struct.pack("<i", bits))[0]
             if self._window_ended is not None and pending.at >= self._window_ended:
                 self._window_ended = None
-                self._judge(steps, skipped, scale, tally, callbacks)
-            self._check_floor(int(steps) - 1, int(in_a_row), scale, tally, callbacks, latest_cause)
+                self._judge(steps, skipped, scale)
+            self._check_floor(int(steps) - 1, int(in_a_row), scale, latest_cause)
 
-    def note_skip(
-        self,
-        report: OverflowReport,
-        in_a_row: Callable[[], int],
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
-    ) -> None:
+    def note_skip(self, report: OverflowReport, in_a_row: Callable[[], int]) -> None:
         """A step was skipped, known on the host (the non-fused path, whose ``step()`` read its
         verdict): if it ran at the floor, warn now, before any step runs there.
         ``in_a_row()`` gives the skipped steps in a row before this one (read only then: a
-        host sync on a skipped step, which syncs anyway); ``tally`` has counted ``report``."""
+        host sync on a skipped step, which syncs anyway); :attr:`tally` has counted ``report``."""
         if report.scale > LOWEST_SCALE:
             self._at_floor = False
         elif not self._at_floor:
             cause = report.cause
-            self._check_floor(
-                report.step, in_a_row() + 1, report.scale, tally, callbacks, lambda: cause
-            )
+            self._check_floor(report.step, in_a_row() + 1, report.scale, lambda: cause)
 
     def _check_floor(
-        self,
-        step: int,
-        in_a_row: int,
-        scale: float,
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
-        latest_cause: Callable[[], str | None],
+        self, step: int, in_a_row: int, scale: float, latest_cause: Callable[[], str | None]
     ) -> None:
-        """Call ``callbacks`` with the alert once per stay at the floor, and warn
+        """Call :attr:`callbacks` with the alert once per stay at the floor, and warn
         (:class:`~ampscaler.ScaleFloorWarning`) at the first. How many of the ``in_a_row``
         skips came with a non-finite loss: as the reports say, or at least the latest by
         ``latest_cause()``."""
@@ -334,7 +320,7 @@ class CollapseWatch:
         if self._at_floor:
             return
         self._at_floor = True
-        loss_in_a_row = min(tally.loss_run, in_a_row)
+        loss_in_a_row = min(self.tally.loss_run, in_a_row)
         if in_a_row and not loss_in_a_row and latest_cause() == "loss":
             loss_in_a_row = 1
         alert = CollapseAlert(
@@ -344,25 +330,18 @@ class CollapseWatch:
             max_scale=self._max_scale or scale,
             skip_rate=1.0 if in_a_row else 0.0,
             reasons=("floor",),
-            causes=dict(tally.causes),
-            parameters=tally.parameters.most_common(5),
+            causes=dict(self.tally.causes),
+            parameters=self.tally.parameters.most_common(5),
             in_a_row=in_a_row,
             loss_in_a_row=loss_in_a_row,
         )
         if not self._warned:  # a scale that leaves the floor and returns warns no more
             self._warned = True
             warn_at_caller(str(alert), ScaleFloorWarning)
-        for fn in list(callbacks):
+        for fn in list(self.callbacks):
             fn(alert)
 
-    def _judge(
-        self,
-        steps: float,
-        skipped: float,
-        scale: float,
-        tally: OverflowTally,
-        callbacks: list[Callable[[CollapseAlert], Any]],
-    ) -> None:
+    def _judge(self, steps: float, skipped: float, scale: float) -> None:
         last_steps, last_skipped = self._last or (0.0, 0.0)
         self._last = (steps, skipped)
         done = steps - last_steps
@@ -391,24 +370,18 @@ class CollapseWatch:
             max_scale=self._max_scale,
             skip_rate=rate,
             reasons=tuple(reasons),
-            causes=dict(tally.causes),
-            parameters=tally.parameters.most_common(5),
+            causes=dict(self.tally.causes),
+            parameters=self.tally.parameters.most_common(5),
         )
         if self.log and not self._logged:
             self._logged = True
             logger.warning("%s", alert)
-        for fn in list(callbacks):
+        for fn in list(self.callbacks):
             fn(alert)
 
     def fresh(self) -> CollapseWatch:
         """A watch with the same settings that has seen nothing (for a copied scaler)."""
-        return CollapseWatch(self.scale_drop, self.skip_rate, self.window, self.log)
-
-    def __repr__(self) -> str:
-        return (
-            f"CollapseWatch(scale_drop={self.scale_drop}, skip_rate={self.skip_rate}, "
-            f"window={self.window}, log={self.log})"
-        )
+        return dataclasses.replace(self)
 
 
 def _number(value: object) -> bool:

@@ -45,17 +45,18 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..grads.collect import grad_views
 from ..taps import GradTaps
+from .plain import Plain
 
 __all__ = [
     "LOSS_ORIGIN",
@@ -83,8 +84,7 @@ class ParamNames:
     """
 
     def __init__(self) -> None:
-        # id(param) -> (weak reference, name); the reference guards against a reused id.
-        self._names: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self._names: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Learn the names of ``model``'s parameters (prefixed with ``prefix`` + ``.``)."""
@@ -95,34 +95,26 @@ class ParamNames:
             )
         lead = f"{prefix}." if prefix else ""
         for name, param in model.named_parameters():
-            if self._lookup(param) is None:
-                self._names[id(param)] = (weakref.ref(param), lead + name)
-
-    def _lookup(self, param: torch.Tensor) -> str | None:
-        entry = self._names.get(id(param))
-        if entry is None or entry[0]() is not param:
-            return None
-        return entry[1]
+            if param not in self._names:
+                self._names[param] = lead + name
 
     def name(self, param: torch.Tensor, group_index: int, param_index: int) -> str:
         """The watched name of ``param``, or its position in the optimizer."""
-        found = self._lookup(param)
-        return found if found is not None else f"group{group_index}.param{param_index}"
+        if param in self._names:
+            return str(self._names[param])
+        return f"group{group_index}.param{param_index}"
 
     def __len__(self) -> int:
         return len(self._names)
 
-    def __getstate__(self) -> dict[str, object]:
+    def __reduce__(self) -> tuple[type[ParamNames], tuple[()]]:
         # Weak references cannot be pickled, and a copy's parameters are new tensors anyway:
         # a copied scaler learns names again through watch().
-        return {}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self._names = {}
+        return ParamNames, ()
 
 
 @dataclass(frozen=True)
-class OverflowReport:
+class OverflowReport(Plain):
     """The parameters whose gradients were non-finite on one skipped step.
 
     Attributes:
@@ -191,35 +183,6 @@ class OverflowReport:
             f"{len(self.names)} parameter(s): {shown}{more}{also}{traced}"
         )
 
-    def as_dict(self) -> dict[str, Any]:
-        """The report as plain JSON-ready data (the ``overflow`` field of a step record)."""
-        return {
-            "step": self.step,
-            "names": list(self.names),
-            "kinds": dict(self.kinds),
-            "scale": self.scale,
-            "rank": self.rank,
-            "ranks": list(self.ranks),
-            "origin": self.origin,
-            "cause": self.cause,
-            "micro_batch": self.micro_batch,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OverflowReport:
-        """The inverse of :meth:`as_dict`."""
-        return cls(
-            step=int(data["step"]),
-            names=[str(n) for n in data["names"]],
-            kinds={str(k): str(v) for k, v in data["kinds"].items()},
-            scale=float(data["scale"]),
-            rank=None if data.get("rank") is None else int(data["rank"]),
-            ranks=tuple(int(r) for r in data.get("ranks", ())),
-            origin=None if data.get("origin") is None else str(data["origin"]),
-            cause=None if data.get("cause") is None else str(data["cause"]),
-            micro_batch=None if data.get("micro_batch") is None else int(data["micro_batch"]),
-        )
-
 
 _CAUSE_NOTE = {
     "loss": "; cause: loss (already inf/NaN before scaling: lowering the scale cannot help)",
@@ -227,7 +190,8 @@ _CAUSE_NOTE = {
 }
 
 
-def _rank() -> int | None:
+def process_rank() -> int | None:
+    """The process's rank in the default process group, ``None`` when not distributed."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
@@ -295,7 +259,7 @@ def locate_overflow(
         names=list(found),
         kinds=found,
         scale=scale,
-        rank=_rank(),
+        rank=process_rank(),
         origin=origin,
         cause=cause,
     )
@@ -316,18 +280,9 @@ def merge_reports(reports: Sequence[OverflowReport]) -> OverflowReport:
     for report in reports:
         for name in report.names:
             kinds.setdefault(name, report.kinds[name])
-    first = reports[0]
     origin = next((r.origin for r in reports if r.origin is not None), None)
-    return OverflowReport(
-        step=first.step,
-        names=list(kinds),
-        kinds=kinds,
-        scale=first.scale,
-        rank=first.rank,
-        ranks=first.ranks,
-        origin=origin,
-        cause=first.cause,  # the iteration's losses: the same for every optimizer
-    )
+    # The step, scale, rank and what the iteration's losses say are the same in every report.
+    return dataclasses.replace(reports[0], names=list(kinds), kinds=kinds, origin=origin)
 
 
 def _finite_flag(grad: torch.Tensor) -> torch.Tensor:
@@ -405,13 +360,10 @@ class NonFiniteTracer:
         # watched modules (a plain function), and reached this one first.
         return next(name for name, ok in received if not ok)
 
-    def __getstate__(self) -> dict[str, object]:
+    def __reduce__(self) -> tuple[type[NonFiniteTracer], tuple[()]]:
         # Hooks belong to this process and these models: a copy is a fresh tracer, tapping the
         # models its scaler watches anew.
-        return {}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__()  # type: ignore[misc]
+        return NonFiniteTracer, ()
 
     def __repr__(self) -> str:
         return "NonFiniteTracer()"

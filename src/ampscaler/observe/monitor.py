@@ -30,7 +30,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +39,7 @@ from ..hooks import Hook
 from ..hostcopy import read_values
 from ..taps import WatchedModels
 from . import localize
-from .collapse import CollapseAlert, CollapseWatch, OverflowTally, snapshot_of
+from .collapse import CollapseAlert, CollapseWatch, snapshot_of
 from .delivery import Delivery
 from .localize import NonFiniteTracer, OverflowReport, ParamNames, TraceEvent, merge_reports
 from .probe import GradientProbe, PendingProbe
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ..iteration import Iteration, OptimizerRecord, SkipOrigin
     from ..state import LiveState, StepCounters
 
-__all__ = ["EVENTS", "Attachable", "Callback", "CollapseCallback", "Monitor", "RecordCallback"]
+__all__ = ["EVENTS", "Callback", "CollapseCallback", "Monitor", "RecordCallback"]
 
 EVENTS = ("step", "overflow", "backoff", "growth", "collapse")
 #: Events whose callbacks take a StepRecord (the others: "collapse", a CollapseAlert).
@@ -64,10 +64,6 @@ CollapseCallback = Callable[[CollapseAlert], Any]
 
 Callback = RecordCallback | CollapseCallback
 """What :meth:`Monitor.on` calls: with each matching record, or with a collapse alert."""
-
-Attachable: TypeAlias = GradientProbe | NonFiniteTracer | CollapseWatch
-"""What :meth:`Monitor.attach` takes: one probe and one tracer at most; a collapse watch
-replaces the one in place."""
 
 
 #: Where the monitor keeps what it derived from an iteration, in ``Iteration.notes``.
@@ -109,14 +105,12 @@ class Monitor(Hook):
         self.names = ParamNames()
         self._enabled = enabled
         self._sinks: list[Sink] = []
-        self._callbacks: dict[str, list[Callback]] = {event: [] for event in RECORD_EVENTS}
-        self._collapse_callbacks: list[Callable[[CollapseAlert], Any]] = []
-        self._record_callbacks = 0  # how many are registered in _callbacks
+        self._callbacks: dict[str, list[Callable[[Any], Any]]] = {event: [] for event in EVENTS}
         self._delivery = Delivery()  # a failing sink or callback starves no other
         self._probe: GradientProbe | None = None
         self._tracer: NonFiniteTracer | None = None
         self.collapse = CollapseWatch()
-        self.tally = OverflowTally()
+        self.collapse.callbacks = self._callbacks["collapse"]
         self._models = WatchedModels()
 
     # ------------------------------------------------------------------ configuration
@@ -124,7 +118,7 @@ class Monitor(Hook):
     @property
     def consuming(self) -> bool:
         """Whether anything takes step records (so ``update()`` must read the outcome)."""
-        return bool(self._sinks) or self._record_callbacks > 0
+        return bool(self._sinks) or any(self._callbacks[event] for event in RECORD_EVENTS)
 
     def moments(self) -> set[str]:
         """The moments it is due at, given what is attached."""
@@ -146,47 +140,37 @@ class Monitor(Hook):
                 observer.watch(model, prefix)
 
     def adopt(self, plugin: object) -> bool:
-        """Attach ``plugin`` if it is a probe, a tracer or a collapse watch."""
-        if not isinstance(plugin, (GradientProbe, NonFiniteTracer, CollapseWatch)):
-            return False
-        self.attach(plugin)
-        return True
-
-    def attach(self, observer: Attachable) -> None:
-        """Attach a probe or a tracer (one of each), which taps the models watched so far and
-        from now on; or a collapse watch, which replaces the one in place.
+        """Attach ``plugin`` if it is a probe or a tracer (one of each), which taps the models
+        watched so far and from now on, or a collapse watch, which replaces the one in place.
 
         Raises:
-            InvalidConfigError: (a ``ValueError``) one of its kind is attached already.
-            TypeError: ``observer`` is neither.
+            InvalidConfigError: (a ``ValueError``) a probe or tracer is attached already.
         """
-        if isinstance(observer, CollapseWatch):
-            self.collapse = observer
-            return
-        if isinstance(observer, GradientProbe):
+        if isinstance(plugin, CollapseWatch):
+            plugin.tally, plugin.callbacks = self.collapse.tally, self.collapse.callbacks
+            self.collapse = plugin
+            return True
+        if isinstance(plugin, GradientProbe):
             if self._probe is not None:
                 raise InvalidConfigError(
                     f"This scaler already has {self._probe!r} attached; it takes one probe. "
                     "Attach a single GradientProbe with the period you want."
                 )
-            self._probe = observer
-        elif isinstance(observer, NonFiniteTracer):
+            self._probe = plugin
+        elif isinstance(plugin, NonFiniteTracer):
             if self._tracer is not None:
                 raise InvalidConfigError(
                     "This scaler already has a NonFiniteTracer attached; one tracer covers "
                     "every watched model."
                 )
-            self._tracer = observer
+            self._tracer = plugin
         else:
-            raise TypeError(
-                "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
-                f"GradientProbe, a NonFiniteTracer or a CollapseWatch, got "
-                f"{type(observer).__name__}; objects that take step records go to add_sink()."
-            )
+            return False
         self.changed()
         if self._enabled:
             for model, prefix in self._models:
-                observer.watch(model, prefix)
+                plugin.watch(model, prefix)
+        return True
 
     def on(self, event: str, fn: Callback) -> Callable[[], None]:
         """Call ``fn(record)`` on ``event``; returns a function that unregisters it."""
@@ -196,24 +180,13 @@ class Monitor(Hook):
             )
         if not callable(fn):
             raise TypeError(f"on() expects a callable taking a StepRecord, got {fn!r}.")
-        if event == "collapse":
-            collapse = self._collapse_callbacks
-            collapse.append(fn)  # type: ignore[arg-type]  # "collapse" takes alerts
-
-            def stop_collapse() -> None:
-                if fn in collapse:
-                    collapse.remove(fn)
-
-            return stop_collapse
         callbacks = self._callbacks[event]
         callbacks.append(fn)
-        self._record_callbacks += 1
         self.changed()
 
         def remove() -> None:
             if fn in callbacks:
                 callbacks.remove(fn)
-                self._record_callbacks -= 1
                 self.changed()
 
         return remove
@@ -239,10 +212,7 @@ class Monitor(Hook):
     def history(self) -> list[StepRecord]:
         """The records of the first :class:`~ampscaler.StepHistory` added, oldest first (empty
         without one)."""
-        for sink in self._sinks:
-            if isinstance(sink, StepHistory):
-                return sink.records
-        return []
+        return next((s.records for s in self._sinks if isinstance(s, StepHistory)), [])
 
     # ------------------------------------------------------------------ the moments
 
@@ -258,17 +228,13 @@ class Monitor(Hook):
         step = int(counters.steps.item())
         events = None if self._tracer is None else self._tracer.events
         scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
-        report = self._localize([record.optimizer], step, scale, events, iteration, record.origin)
+        origin = iteration.loss_origin() if record.origin is None else record.origin
+        report = self._localize([record.optimizer], step, scale, events, origin)
         observed = _observed(iteration)
         observed.reports.append(report)
         observed.localized.add(id(record.optimizer))
-        self.tally.add(report)
-        self.collapse.note_skip(
-            report,
-            lambda: int(counters.consecutive_skips.item()),
-            self.tally,
-            self._collapse_callbacks,
-        )
+        self.collapse.tally.add(report)
+        self.collapse.note_skip(report, lambda: int(counters.consecutive_skips.item()))
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
         """Emit the iteration's record if anything consumes records; move the probe on; keep
@@ -286,10 +252,7 @@ class Monitor(Hook):
             new_scale = live.scale
             counters = live.counters
             collapse.look(
-                lambda: snapshot_of(counters, new_scale),
-                self.tally,
-                self._collapse_callbacks,
-                lambda: iteration.loss_origin().cause,
+                lambda: snapshot_of(counters, new_scale), lambda: iteration.loss_origin().cause
             )
         return collapse.next_due()
 
@@ -340,21 +303,16 @@ class Monitor(Hook):
         step: int,
         scale: float,
         events: list[TraceEvent] | None,
-        iteration: Iteration | None,
-        origin: SkipOrigin | None = None,
+        origin: SkipOrigin,
     ) -> OverflowReport:
-        if origin is None and iteration is not None:
-            origin = iteration.loss_origin()
         report = localize.locate_overflow(
             optimizers,
             self.names,
             step=step,
             scale=scale,
             origin=None if events is None else NonFiniteTracer.origin(events),
-            cause=None if origin is None else origin.cause,
+            cause=origin.cause,
         )
-        if origin is None:
-            return report
         return dataclasses.replace(report, ranks=origin.ranks, micro_batch=origin.micro_batch)
 
     def _resolve(self, iteration: Iteration, step: int) -> OverflowReport | None:
@@ -376,9 +334,9 @@ class Monitor(Hook):
             if events is None and self._tracer is not None:
                 events = self._tracer.events
             scale = float(iteration.scale.item())
-            report = self._localize(overflowed, step, scale, events, iteration)
+            report = self._localize(overflowed, step, scale, events, iteration.loss_origin())
             reports.append(report)
-            self.tally.add(report)
+            self.collapse.tally.add(report)
         observed.report = merge_reports(reports) if reports else None
         observed.resolved = True
         return observed.report
@@ -415,4 +373,4 @@ class Monitor(Hook):
         for history in state["histories"]:
             self.add_sink(history)
         for observer in state["observers"]:
-            self.attach(observer)
+            self.adopt(observer)

@@ -62,9 +62,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +74,9 @@ import torch
 
 from ..errors import InvalidConfigError
 from ..grads.collect import grad_views
+from ..policy.base import FP16_MAX
 from ..taps import GradTaps, WatchedModels
+from .plain import Plain
 
 __all__ = [
     "FP16_MAX",
@@ -85,18 +88,13 @@ __all__ = [
     "flushed_wording",
 ]
 
-FP16_MAX = 65504.0
 FLUSH_TO_ZERO = 2.0**-25  # fp16 rounds |x| <= 2**-25 to zero (half the smallest subnormal)
 SMALLEST_NORMAL = 2.0**-14
 WORST_MODULES = 10
 
 
-def _number(value: float) -> float | str:
-    return value if math.isfinite(value) else str(value)
-
-
 @dataclass(frozen=True)
-class UnderflowCounts:
+class UnderflowCounts(Plain):
     """Gradient elements as fp16 holds them: one module's on one probe, or any sum of those.
 
     Attributes:
@@ -130,19 +128,6 @@ class UnderflowCounts:
     def flushed_fraction(self) -> float:
         """Exactly zero among the elements carrying signal; 0 if none."""
         return self.flushed / self.carrying_signal if self.carrying_signal else 0.0
-
-    def as_dict(self) -> dict[str, int]:
-        """Plain JSON-ready data."""
-        return {
-            "carrying_signal": self.carrying_signal,
-            "underflowed": self.underflowed,
-            "flushed": self.flushed,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> UnderflowCounts:
-        """The inverse of :meth:`as_dict`."""
-        return cls(int(data["carrying_signal"]), int(data["underflowed"]), int(data["flushed"]))
 
 
 def _count(grad: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
@@ -190,7 +175,7 @@ def count_underflow(grad: torch.Tensor, reference: torch.Tensor | None = None) -
 
 
 @dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(Plain):
     """What one probe measured (the ``probe`` field of a step record).
 
     Attributes:
@@ -224,42 +209,6 @@ class ProbeResult:
     module_counts: dict[str, UnderflowCounts] = field(default_factory=dict)
     activations: UnderflowCounts | None = None
     activation_dtypes: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data; non-finite floats are written as strings (``"inf"``)."""
-        return {
-            "scale": self.scale,
-            "elements": self.elements,
-            "nonzero": self.nonzero,
-            "underflow_at_scale": self.underflow_at_scale,
-            "underflow_at_one": self.underflow_at_one,
-            "headroom_log2": _number(self.headroom_log2),
-            "modules": dict(self.modules),
-            "module_counts": {name: c.as_dict() for name, c in self.module_counts.items()},
-            "activations": None if self.activations is None else self.activations.as_dict(),
-            "activation_dtypes": list(self.activation_dtypes),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ProbeResult:
-        """The inverse of :meth:`as_dict`."""
-        return cls(
-            scale=float(data["scale"]),
-            elements=int(data["elements"]),
-            nonzero=int(data["nonzero"]),
-            underflow_at_scale=float(data["underflow_at_scale"]),
-            underflow_at_one=float(data["underflow_at_one"]),
-            headroom_log2=float(data["headroom_log2"]),  # float() also reads "inf", "nan"
-            modules={str(k): float(v) for k, v in data["modules"].items()},
-            module_counts={
-                str(k): UnderflowCounts.from_dict(v)
-                for k, v in data.get("module_counts", {}).items()
-            },
-            activations=None
-            if data.get("activations") is None
-            else UnderflowCounts.from_dict(data["activations"]),
-            activation_dtypes=tuple(str(d) for d in data.get("activation_dtypes", ())),
-        )
 
 
 def flushed_wording(dtypes: Sequence[str]) -> str:
@@ -346,6 +295,7 @@ def _check_count(name: str, value: object, *, optional: bool) -> None:
         raise InvalidConfigError(f"GradientProbe {name} must be an int >= 1{none}, got {value!r}.")
 
 
+@dataclass(eq=False)
 class GradientProbe:
     """Measures the gradients of every ``every``-th iteration; see the module docstring.
 
@@ -357,11 +307,12 @@ class GradientProbe:
         InvalidConfigError: (a ``ValueError``) ``every`` or ``worst_modules`` is not an int >= 1.
     """
 
-    def __init__(self, every: int = 1, *, worst_modules: int | None = WORST_MODULES) -> None:
-        _check_count("every", every, optional=False)
-        _check_count("worst_modules", worst_modules, optional=True)
-        self._every = every
-        self._worst_modules = worst_modules
+    every: int = 1
+    worst_modules: int | None = field(default=WORST_MODULES, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_count("every", self.every, optional=False)
+        _check_count("worst_modules", self.worst_modules, optional=True)
         self._taps = GradTaps(self._tap)
         self._models = WatchedModels()
         self._iteration = 0
@@ -377,14 +328,9 @@ class GradientProbe:
         self._dtypes: set[torch.dtype] = set()
 
     @property
-    def every(self) -> int:
-        """The probe's period, in iterations."""
-        return self._every
-
-    @property
     def due(self) -> bool:
         """Whether the iteration in progress is probed."""
-        return self._iteration % self._every == 0
+        return self._iteration % self.every == 0
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Measure the leaf modules of ``model`` (names prefixed by ``prefix``) on probed
@@ -483,20 +429,14 @@ class GradientProbe:
             self._elements,
             torch.cat(parts),
             list(self._modules),
-            self._worst_modules,
+            self.worst_modules,
             tuple(sorted(str(dtype).removeprefix("torch.") for dtype in self._dtypes)),
         )
         self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
         self._dtypes = set()
         return pending
 
-    def __getstate__(self) -> dict[str, object]:
+    def __reduce__(self) -> tuple[Callable[..., GradientProbe], tuple[Any, ...]]:
         # Hooks and watched models belong to this process: a copy starts a fresh schedule and
         # is given its scaler's models anew.
-        return {"every": self._every, "worst_modules": self._worst_modules}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["every"], worst_modules=state["worst_modules"])  # type: ignore[misc]
-
-    def __repr__(self) -> str:
-        return f"GradientProbe(every={self._every}, worst_modules={self._worst_modules})"
+        return functools.partial(GradientProbe, worst_modules=self.worst_modules), (self.every,)

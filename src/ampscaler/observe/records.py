@@ -40,6 +40,7 @@ from typing import Any
 
 from ..errors import LogFormatError
 from .localize import OverflowReport
+from .plain import Plain
 from .probe import ProbeResult, flushed_wording
 
 __all__ = ["FORMAT", "StepLog", "StepRecord", "load_log", "read_log"]
@@ -49,7 +50,7 @@ _FORMAT_FAMILY = FORMAT.split("/")[0] + "/"
 
 
 @dataclass(frozen=True)
-class StepRecord:
+class StepRecord(Plain):
     """One iteration, as Python values.
 
     Attributes:
@@ -127,59 +128,19 @@ class StepRecord:
         return text
 
     def as_dict(self) -> dict[str, Any]:
-        """The record as one JSON object (the JSONL line format, see the module docstring)."""
-        data: dict[str, Any] = {
-            "format": FORMAT,
-            "step": self.step,
-            "time": self.time,
-            "scale": self.scale,
-            "new_scale": self.new_scale,
-            "skipped": self.skipped,
-            "overflow": None if self.overflow is None else self.overflow.as_dict(),
-            "probe": None if self.probe is None else self.probe.as_dict(),
-        }
-        if self.loss is not None:
-            data["loss"] = self.loss
-        if self.lr is not None:
-            data["lr"] = self.lr
-        if self.label is not None:
-            data["label"] = self.label
-        if self.spike:
-            data["spike"] = True
-        if self.attempt:
-            data["attempt"] = self.attempt
-        return data
+        """The record as one JSON object (the JSONL line format, see the module docstring):
+        ``loss``, ``lr``, ``label``, ``spike`` and ``attempt`` only where they are set."""
+        plain = {"format": FORMAT, "step": self.step, "time": self.time, **super().as_dict()}
+        return {key: value for key, value in plain.items() if _UNSET.get(key, _KEPT) != value}
 
     def to_json_line(self) -> str:
-        """The record as one line of the JSONL log, without the newline.
-
-        Raises:
-            ValueError: the line would not be strict JSON (a non-finite ``loss``, say).
-        """
+        """The record as one line of the JSONL log, without the newline (strict JSON)."""
         return json.dumps(self.as_dict(), allow_nan=False)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepRecord:
-        """The inverse of :meth:`as_dict`.
 
-        Raises:
-            KeyError, TypeError, ValueError: a field is missing or has the wrong type.
-        """
-        overflow, probe = data.get("overflow"), data.get("probe")
-        return cls(
-            step=int(data["step"]),
-            scale=float(data["scale"]),
-            new_scale=float(data["new_scale"]),
-            skipped=bool(data["skipped"]),
-            time=float(data["time"]),
-            overflow=None if overflow is None else OverflowReport.from_dict(overflow),
-            probe=None if probe is None else ProbeResult.from_dict(probe),
-            loss=None if data.get("loss") is None else float(data["loss"]),
-            lr=None if data.get("lr") is None else float(data["lr"]),
-            label=None if data.get("label") is None else str(data["label"]),
-            spike=bool(data.get("spike", False)),
-            attempt=int(data.get("attempt", 0)),
-        )
+#: The fields a JSON line leaves out when they hold these values.
+_UNSET: dict[str, object] = {"loss": None, "lr": None, "label": None, "spike": False, "attempt": 0}
+_KEPT = object()  # what no value equals
 
 
 @dataclass(frozen=True)

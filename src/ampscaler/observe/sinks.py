@@ -25,12 +25,11 @@ import math
 import sys
 from collections import deque
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
-
 from ..errors import InvalidConfigError, SinkError
+from ..policy.base import pow2_exponent
+from .localize import process_rank
 from .records import StepRecord
 
 if TYPE_CHECKING:
@@ -162,12 +161,7 @@ class JsonlSink:
     def __enter__(self) -> JsonlSink:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *raised: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -332,7 +326,7 @@ class LoggingSink:
 
     def _summarize(self) -> None:
         period, self._period = self._period, []
-        if not period or not (self.all_ranks or _rank_zero()):
+        if not period or not (self.all_ranks or process_rank() in (None, 0)):
             return
         skipped = sum(r.skipped for r in period)
         spikes = sum(r.spike for r in period)
@@ -357,15 +351,7 @@ class LoggingSink:
         return f"LoggingSink({self.logger.name!r}{every})"
 
 
-def _rank_zero() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def _power(scale: float) -> str:
     """``2^k`` for a power of two, else the number."""
-    if scale > 0 and math.isfinite(scale):
-        mantissa, exponent = math.frexp(scale)
-        if mantissa == 0.5:
-            return f"2^{exponent - 1}"
-    return f"{scale:g}"
+    exponent = pow2_exponent(scale)
+    return f"{scale:g}" if exponent is None else f"2^{exponent}"
