@@ -57,13 +57,16 @@ default the gradient tensors are kept and refilled in place (``set_to_none=False
 
 On a machine shared with other work, elapsed time includes the time this process waits for a
 core; ``--threads 1 --clock cpu`` measures this thread's CPU time instead, which leaves the
-waiting out (memory bandwidth is still shared).
+waiting out (memory bandwidth and caches are still shared, so other work still adds time to
+some rounds); ``--stat min`` then takes each variant's least time over the rounds, which such
+additions cannot lower, in place of the medians.
 
 Run from the repository root so that this checkout's code is measured::
 
     PYTHONPATH=src python benchmarks/overhead.py                          # full run
     PYTHONPATH=src python benchmarks/overhead.py --quick                  # smoke test
     PYTHONPATH=src python benchmarks/overhead.py --threads 1 --clock cpu  # on a busy machine
+    PYTHONPATH=src python benchmarks/overhead.py --threads 1 --clock cpu --stat min  # a loaded one
 """
 
 from __future__ import annotations
@@ -103,13 +106,19 @@ Spread = tuple[float, float]  # the lowest and highest of a ratio over the block
 
 @dataclass
 class Timings:
-    """Per-round times in seconds, by variant name, and how many blocks the rounds are cut
-    into for the spread."""
+    """Per-round times in seconds, by variant name, how many blocks the rounds are cut into
+    for the spread, and the statistic (``median``: of the paired per-round differences, which
+    cancels slow drifts; ``min``: the least time of each variant, which leaves out what other
+    work on the machine added to a round, and differences of those)."""
 
     rounds: dict[str, list[float]]
     blocks: int = 1
+    stat: str = "median"
 
     def median(self, variant: str) -> float:
+        """A variant's time: its median, or its least time with ``stat="min"``."""
+        if self.stat == "min":
+            return min(self.rounds[variant])
         return statistics.median(self.rounds[variant])
 
     def differences(self, variant: str, baseline: str) -> list[float]:
@@ -118,7 +127,10 @@ class Timings:
         return [a - b for a, b in pairs]
 
     def overhead(self, variant: str, baseline: str = "plain") -> float:
-        """Median over rounds of ``variant - baseline`` (paired within each round)."""
+        """Median over rounds of ``variant - baseline`` (paired within each round); with
+        ``stat="min"``, the least time of ``variant`` minus the least of ``baseline``."""
+        if self.stat == "min":
+            return self.median(variant) - self.median(baseline)
         return statistics.median(self.differences(variant, baseline))
 
     def ratio(self, variant: str, reference: str, baseline: str = "plain") -> float:
@@ -130,7 +142,9 @@ class Timings:
         count = len(next(iter(self.rounds.values())))
         size = max(count // self.blocks, 1)
         values = [
-            per_block(Timings({k: v[start : start + size] for k, v in self.rounds.items()}))
+            per_block(
+                Timings({k: v[start : start + size] for k, v in self.rounds.items()}, 1, self.stat)
+            )
             for start in range(0, count - size + 1, size)
         ]
         return min(values), max(values)
@@ -205,7 +219,7 @@ def interleave(
             elapsed = time_call(variants[name], device, args.clock)
             if index >= args.warmup:
                 times[name].append(elapsed)
-    return Timings(times, args.blocks)
+    return Timings(times, args.blocks, args.stat)
 
 
 def more_rounds(args: argparse.Namespace, factor: int) -> argparse.Namespace:
@@ -424,11 +438,12 @@ def whole_step(args: argparse.Namespace, device: torch.device) -> Timings:
         scaler.update()
         optimizer.zero_grad()
 
-    # The overhead is a small difference between two whole steps: take more rounds.
+    # The overhead is a small difference between two whole steps: take more rounds, and the
+    # median of paired differences (a least time of a ~15 ms step says little).
     return interleave(
         {"plain": plain, "torch": lambda: scaled(theirs), "ampscaler": lambda: scaled(ours)},
         lambda: None,
-        more_rounds(args, E2E_ROUNDS),
+        argparse.Namespace(**{**vars(more_rounds(args, E2E_ROUNDS)), "stat": "median"}),
         device,
     )
 
@@ -542,6 +557,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=100, help="timed rounds per case")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     parser.add_argument(
+        "--stat",
+        choices=("median", "min"),
+        default="median",
+        help="median: of paired per-round differences; min: least times, on a loaded machine",
+    )
+    parser.add_argument(
         "--blocks", type=int, default=5, help="blocks of rounds the spread of a ratio is taken over"
     )
     parser.add_argument("--quick", action="store_true", help="5 rounds after 1 warm-up round")
@@ -572,9 +593,13 @@ def main(argv: list[str] | None = None) -> None:
     print(describe_machine(device))
     print(
         f"{args.rounds} rounds after {args.warmup} warm-up (the transformer's calls "
-        f"{TRANSFORMER_ROUNDS} times as many), {args.clock} clock; overheads are medians of "
-        "per-round differences against the plain step, in ms; [spread]: the lowest and highest "
-        f"over {args.blocks} blocks of the rounds\n"
+        f"{TRANSFORMER_ROUNDS} times as many), {args.clock} clock; overheads are "
+        + (
+            "least times minus the plain step's least time"
+            if args.stat == "min"
+            else "medians of per-round differences against the plain step"
+        )
+        + f", in ms; [spread]: the lowest and highest over {args.blocks} blocks of the rounds\n"
     )
     names = [name.strip() for name in args.cases.split(",")]
     rows = [run_case(name, args, device) for name in names]
