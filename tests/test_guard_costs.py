@@ -186,3 +186,16 @@ def test_a_single_flat_gradient_is_normed_in_one_op() -> None:
     many = _grad_norm({flat.device: {flat.dtype: pieces}}, flat.device)
     torch.testing.assert_close(one, many)
     torch.testing.assert_close(one, torch.linalg.vector_norm(flat))
+
+
+def test_a_copied_guard_decides_as_the_original() -> None:
+    """The window's ring is a view of its buffer: a deep copy (``copy.deepcopy(scaler)``)
+    keeps it one, so the copy's appends reach the values it decides from."""
+    import copy
+
+    steps = _steps(3, 60)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    guard = SpikeGuard(sigma=3.0, window=8)
+    _run(guard, steps[:5], optimizer)
+    twin = copy.deepcopy(guard)
+    assert _run(twin, steps[5:], optimizer) == _run(guard, steps[5:], optimizer)
