@@ -199,3 +199,16 @@ def test_a_copied_guard_decides_as_the_original() -> None:
     _run(guard, steps[:5], optimizer)
     twin = copy.deepcopy(guard)
     assert _run(twin, steps[5:], optimizer) == _run(guard, steps[5:], optimizer)
+
+
+@pytest.mark.parametrize("count", [-1, 2.5, True])
+def test_a_window_count_that_is_no_count_is_refused_at_load(count: object) -> None:
+    """The counts say which slots are filled: one that is not a whole number >= 0 is refused
+    when the state is loaded, not at the first step after it."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    guard = SpikeGuard(window=4)
+    _run(guard, _steps(1, 3), optimizer)
+    state = guard.state_dict()
+    state["windows"][0]["count"][0] = count
+    with pytest.raises(ampscaler.InvalidStateDictError, match="whole numbers"):
+        SpikeGuard().load_state_dict(state)

@@ -161,10 +161,15 @@ class _Window:
             and len(values) == 2
             and all(isinstance(row, list) and len(row) == size for row in values)
         )
-        if not (rows_ok and isinstance(count, list) and len(count) == 2):
+        counts_ok = (
+            isinstance(count, list)
+            and len(count) == 2
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in count)
+        )
+        if not (rows_ok and counts_ok):
             raise InvalidStateDictError(
                 f"A SpikeGuard window in the checkpoint is not 2 rows of {size} values with "
-                "their counts; it was saved by another version, or edited."
+                "their counts (whole numbers >= 0); it was saved by another version, or edited."
             )
 
     def load(self, state: Mapping[str, Any]) -> None:
