@@ -14,7 +14,9 @@ the check pass) must pay where they are meant to (<= 0.6 for many small kept gra
 fused Adam) and cost nothing where they are not (<= 1.05).
 
 As the physical reference every round also times one read+write pass (``mul_(1.0)``) and one
-read-only pass (``sum()``) over a flat buffer as large as all the gradients together.
+read-only pass (``sum()``) over a flat buffer as large as all the gradients together, each
+right after an untimed read+write of the buffer: a scaler's passes find the gradients just
+written (by the check pass, or the restoring copy), not left in the caches by a read.
 
 Where the opt-in scaler moved the gradients into one flat buffer, a ``floor`` variant does by
 hand the least any scaler does on that route: scale the loss, confirm that the gradients are
@@ -29,13 +31,14 @@ in read-only passes over the gradients (``guard ms`` over ``sum ms``, the flat `
 target is at most 1.5: the guard's one pass and its few small operations). Two more references,
 timed in the same rounds, say where a cost beyond that comes from: ``norm ms``, one
 ``vector_norm`` over the flat buffer (the least any guard on the gradients' L2 norm does: one
-read of every element, squared and summed; on one CPU thread the squares make it
-compute-bound, about 1.4 ``sum()``; on a GPU both run at memory bandwidth), and
+read of every element, squared and summed; on one CPU thread the squares make it cost 1.2 to
+1.5 ``sum()``; on a GPU both run at memory bandwidth), and
 ``foreach ms``, ``torch._foreach_norm`` over the gradients where they lie (torch's one
 multi-tensor read of them: one kernel per chunk of tensors on a GPU, one ``vector_norm`` per
 tensor on a CPU). ``own ms`` is ``guard ms`` minus ``foreach ms``: what the guard adds beyond
-reading the gradients (its small operations on the window, a few µs each on a CPU and a launch
-each on a GPU, whatever the model's size).
+reading the gradients once on its own (its small operations on the window, a few µs each on a
+CPU and a launch each on a GPU, whatever the model's size, and what its read costs inside the
+step beyond the same read timed alone: data it evicts that the optimizer reads next).
 
 Cases (``--cases``, comma separated):
 
