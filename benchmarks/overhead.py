@@ -54,6 +54,10 @@ Cases (``--cases``, comma separated):
   overhead over the blocks: a difference of two ~15 ms steps, so within a few percent it is
   noise.
 
+With ``--calls`` a third table splits torch's and ampscaler's overheads into their calls:
+``scale``, what ``step`` adds to the plain step, and ``update``, in µs, from the same scalers
+timed call by call in further variants of the same rounds.
+
 With ``--fresh-grads`` the synthetic cases give every parameter a new gradient tensor before
 each timed call, as ``zero_grad(set_to_none=True)`` followed by ``backward()`` does; by
 default the gradient tensors are kept and refilled in place (``set_to_none=False``).
@@ -153,12 +157,26 @@ class Timings:
         return min(values), max(values)
 
 
+#: The scalers' calls timed apart with ``--calls``.
+CALLS = ("scale", "step", "update")
+
+
 @dataclass
 class Row:
     case: str
     timings: Timings
     tensors: int
     floor: bool
+    #: With ``--calls``: per scaler (``torch``, ``ampscaler``), each call's time per round.
+    calls: dict[str, dict[str, list[float]]] | None = None
+
+    def call(self, scaler: str, call: str) -> float:
+        """``scaler``'s ``call`` in seconds (the statistic of the timings); for ``step``, what
+        it adds to the plain step (paired by round, as the overheads are)."""
+        assert self.calls is not None
+        rounds = {"plain": self.timings.rounds["plain"], call: self.calls[scaler][call]}
+        split = Timings(rounds, 1, self.timings.stat)
+        return split.overhead("step") if call == "step" else split.median(call)
 
     def overhead(self, variant: str) -> float:
         return self.timings.overhead(variant)
@@ -264,6 +282,29 @@ def scaler_step(
     scaler.update()
 
 
+def split_step(
+    scaler: ampscaler.GradScaler | torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    into: dict[str, list[float]],
+) -> Callable[[], None]:
+    """:func:`scaler_step` timing each call apart, into ``into`` (one entry per round, the
+    warm-up's included)."""
+    calls: dict[str, Callable[[], object]] = {
+        "scale": lambda: scaler.scale(loss),
+        "step": lambda: scaler.step(optimizer),
+        "update": scaler.update,
+    }
+
+    def run() -> None:
+        for call in CALLS:
+            into[call].append(time_call(calls[call], device, args.clock))
+
+    return run
+
+
 def synthetic_case(
     name: str,
     count: int,
@@ -319,13 +360,22 @@ def calls_case(
         variants["floor"] = floor_step(buffer, optimizer, loss)
     references, touch = passes(params, device)
     variants.update(references)
+    calls: dict[str, dict[str, list[float]]] = {}
+    if args.calls:  # the same scalers again, their calls timed apart
+        for label, scaler in (("torch", theirs), ("ampscaler", ours)):
+            calls[label] = {call: [] for call in CALLS}
+            split = split_step(scaler, optimizer, loss, args, device, calls[label])
+            variants[f"{label} calls"] = split
     timings = interleave(variants, prepare, args, device, dict.fromkeys(FLAT_PASSES, touch))
+    for per_call in calls.values():  # leave out the warm-up rounds, as interleave() does
+        for call in CALLS:
+            del per_call[call][: args.warmup]
     if not ours.get_scale() == flat.get_scale() == guarded.get_scale() == theirs.get_scale():
         raise AssertionError(f"{name}: the scalers disagree on the scale")
     if guarded.metrics()["scaler/spike_skips"]:
         raise AssertionError(f"{name}: the guard skipped a clean step")
     label = f"{name} (fresh grads)" if args.fresh_grads else name
-    return Row(label, timings, len(params), buffer is not None)
+    return Row(label, timings, len(params), buffer is not None, calls or None)
 
 
 def planned_buffer(
@@ -554,6 +604,24 @@ def print_guard_table(rows: list[Row]) -> None:
         )
 
 
+def print_calls_table(rows: list[Row]) -> None:
+    """Each call of torch's scaler and ampscaler's defaults, in µs (``step``: what it adds to
+    the plain step)."""
+    header = f"{'case':<26} " + " ".join(
+        f"{f'{call} torch':>13} {'ampscaler':>10}" for call in ("scale", "step-plain", "update")
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if row.calls is None:
+            continue
+        cells = " ".join(
+            f"{row.call('torch', call) * 1e6:>13.1f} {row.call('ampscaler', call) * 1e6:>10.1f}"
+            for call in CALLS
+        )
+        print(f"{row.case:<26} {cells}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
@@ -570,6 +638,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="5 rounds after 1 warm-up round")
     parser.add_argument("--fresh-grads", action="store_true", help="new gradient tensors per call")
+    parser.add_argument(
+        "--calls", action="store_true", help="also time each call of torch's and ampscaler's apart"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -609,6 +680,9 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     print("\nSpikeGuard on a clean step, beyond the defaults:\n")
     print_guard_table(rows)
+    if args.calls:
+        print("\nEach call apart, µs (torch's scaler and ampscaler's defaults):\n")
+        print_calls_table(rows)
     if "transformer" in names:
         whole = whole_step(args, device)
 

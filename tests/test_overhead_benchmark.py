@@ -55,3 +55,15 @@ def test_the_spread_is_taken_over_whole_blocks(overhead: Any) -> None:
     timings = overhead.Timings({"plain": plain, "ours": ours}, blocks=3)
     low, high = timings.spread(lambda block: block.overhead("ours"))
     assert (low, high) == pytest.approx((0.1, 0.4))
+
+
+def test_a_call_split_pairs_the_step_with_the_plain_step(overhead: Any) -> None:
+    """``--calls``: ``step`` is what a scaler's step adds to the plain step of the same round;
+    ``scale`` and ``update`` are their own times."""
+    plain = [1.0, 2.0, 3.0]
+    timings = overhead.Timings({"plain": plain}, blocks=1)
+    calls = {"scale": [0.1, 0.1, 0.2], "step": [1.5, 2.5, 3.5], "update": [0.3, 0.2, 0.3]}
+    row = overhead.Row("case", timings, 3, False, {"torch": calls})
+    assert row.call("torch", "step") == pytest.approx(0.5)
+    assert row.call("torch", "scale") == pytest.approx(0.1)
+    assert row.call("torch", "update") == pytest.approx(0.3)
