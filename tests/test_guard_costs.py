@@ -212,3 +212,38 @@ def test_a_window_count_that_is_no_count_is_refused_at_load(count: object) -> No
     state["windows"][0]["count"][0] = count
     with pytest.raises(ampscaler.InvalidStateDictError, match="whole numbers"):
         SpikeGuard().load_state_dict(state)
+
+
+def test_the_flat_route_guards_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``flat_grads=True`` the guard norms the one flat buffer (one op); a spike is
+    caught at the same step as on the default route, and clean steps pass alike."""
+    from ampscaler import guards
+
+    seen: list[list[int]] = []
+    norm = guards._grad_norm
+
+    def spy(groups: Any, device: torch.device) -> torch.Tensor:
+        seen.append([len(grads) for per in groups.values() for grads in per.values()])
+        return norm(groups, device)
+
+    monkeypatch.setattr(guards, "_grad_norm", spy)
+
+    def run(**settings: Any) -> list[bool]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(10)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = ampscaler.GradScaler("cpu", init_scale=256.0, **settings)
+        scaler.attach(SpikeGuard(sigma=6.0, window=8))
+        skipped = []
+        for step in range(14):
+            loss = model(torch.randn(4, 8)).pow(2).mean() * (1000.0 if step == 11 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=False)
+            skipped.append(scaler.last_step_skipped)
+        return skipped
+
+    flat = run(flat_grads=True)
+    assert seen[1:] == [[1]] * 13  # the buffer, from the second step on
+    assert flat == run() == [False] * 11 + [True, False, False]
