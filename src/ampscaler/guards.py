@@ -84,7 +84,8 @@ class Guard(Protocol):
     """A skip rule, decided on the device.
 
     ``check`` is called once per optimizer and iteration, after the inf/NaN check, and returns
-    a 0-dim bool tensor (``True``: skip this optimizer's step); it must not read tensors back
+    a 0-dim bool tensor (``True``: skip this optimizer's step), or a float32 one of 1.0 or 0.0
+    (as :class:`SpikeGuard`'s, which saves converting it); it must not read tensors back
     to the host. ``end_iteration`` is called at ``update()`` with whether the iteration was
     skipped (a 0-dim bool tensor, for any reason), so a guard can learn from the steps taken.
 
@@ -99,38 +100,56 @@ class Guard(Protocol):
 
 class _Window:
     """The last ``size`` values of ``rows`` quantities, on the device, with their mean and
-    spread: one ``[rows, size]`` tensor, so that each step costs the same few operations
-    however many quantities are watched (about a dozen in all: six to decide, eight to
-    append)."""
+    spread: one ``[rows, size + 1]`` tensor, so that each step costs the same few operations
+    however many quantities are watched (eleven in all: four to decide, seven to append).
+
+    Slots not filled yet hold ``+inf``, so that a row whose window is not full has a NaN bar
+    and exceeds nothing: with the default warm-up (a row decides once its window is full) the
+    decision needs no count. The last column is scratch: a value that must not enter the
+    window (not finite, or the step was skipped) is written there instead of into the ring,
+    so appending is one ``index_put_`` whatever the outcome.
+    """
 
     def __init__(self, rows: int, size: int, device: torch.device) -> None:
-        self.values = torch.zeros(rows, size, dtype=torch.float32, device=device)
+        self.buffer = torch.full((rows, size + 1), math.inf, dtype=torch.float32, device=device)
+        #: The ring of the last ``size`` values (a view of the buffer, made once).
+        self.values = self.buffer[:, :size]
         self.count = torch.zeros(rows, dtype=torch.int64, device=device)
         self._positions = torch.arange(size, device=device)
         self._rows = torch.arange(rows, device=device)
+        self._above = torch.zeros(rows, dtype=torch.float32, device=device)
+        self._scratch = torch.tensor(size, device=device)  # the scratch column's index
         self._size = size
 
     def exceeds(self, values: torch.Tensor, sigma: float, ready_after: int) -> torch.Tensor:
         """Whether any of ``values`` (one per row; NaN: none) is above ``mean + sigma * std``
-        of its row, in rows with at least ``ready_after`` values (a 0-dim bool; no sync).
+        of its row, in rows with at least ``ready_after`` values: a 0-dim float32 flag, 1.0 or
+        0.0 (no sync).
 
-        When a row is ready only once its window is full (``ready_after >= size``, as with the
-        default warm-up), every value of a ready row counts: one fused mean and deviation
-        over the rows (``std_mean``), six small operations in all."""
-        if ready_after >= self._size:
+        When a row is ready exactly when its window is full (``ready_after == size``, the
+        default warm-up), one fused mean and deviation over the rows (``std_mean``) gives the
+        bars, NaN for rows still holding ``+inf`` slots: four small operations in all, the
+        comparison written as 0.0/1.0 into a buffer whose largest value is the flag."""
+        if ready_after == self._size:
             std, mean = torch.std_mean(self.values, dim=1)
-            bar = torch.add(mean, std, alpha=sigma)
-            return ((self.count >= ready_after) & (values > bar)).any()
+            torch.gt(values, torch.add(mean, std, alpha=sigma), out=self._above)
+            return self._above.amax()
+        if ready_after > self._size:
+            std, mean = torch.std_mean(self.values, dim=1)
+            above = (self.count >= ready_after) & (values > torch.add(mean, std, alpha=sigma))
+            return above.any().to(torch.float32)
         held = self.count.clamp(max=self._size)
         valid = self._positions < held.unsqueeze(1)
         mean = torch.where(valid, self.values, 0.0).sum(1) / held.clamp(min=1)
         spread = torch.where(valid, (self.values - mean.unsqueeze(1)).square(), 0.0).sum(1)
         std = (spread / (held - 1).clamp(min=1)).sqrt()
-        return ((self.count >= ready_after) & (values > mean + sigma * std)).any()
+        above = (self.count >= ready_after) & (values > mean + sigma * std)
+        return above.any().to(torch.float32)
 
     def state(self) -> dict[str, Any]:
-        """The values and counts as Python lists (a host sync)."""
-        return {"values": self.values.tolist(), "count": self.count.tolist()}
+        """The values and counts as Python lists, slots not filled yet as 0.0 (a host sync)."""
+        values = torch.where(torch.isinf(self.values), 0.0, self.values)
+        return {"values": values.tolist(), "count": self.count.tolist()}
 
     @staticmethod
     def check_state(state: Mapping[str, Any], size: int) -> None:
@@ -142,24 +161,34 @@ class _Window:
             and len(values) == 2
             and all(isinstance(row, list) and len(row) == size for row in values)
         )
-        if not (rows_ok and isinstance(count, list) and len(count) == 2):
+        counts_ok = (
+            isinstance(count, list)
+            and len(count) == 2
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in count)
+        )
+        if not (rows_ok and counts_ok):
             raise InvalidStateDictError(
                 f"A SpikeGuard window in the checkpoint is not 2 rows of {size} values with "
-                "their counts; it was saved by another version, or edited."
+                "their counts (whole numbers >= 0); it was saved by another version, or edited."
             )
 
     def load(self, state: Mapping[str, Any]) -> None:
-        """Take the values and counts of :meth:`state` (in place)."""
-        self.values.copy_(torch.tensor(state["values"], dtype=torch.float32))
+        """Take the values and counts of :meth:`state` (in place); slots not filled yet
+        become ``+inf`` again."""
+        rows = [
+            list(row[:count]) + [math.inf] * (self._size - count) if count < self._size else row
+            for row, count in zip(state["values"], state["count"], strict=True)
+        ]
+        self.values.copy_(torch.tensor(rows, dtype=torch.float32))
         self.count.copy_(torch.tensor(state["count"], dtype=torch.int64))
 
     def push(self, values: torch.Tensor, skipped: torch.Tensor) -> None:
         """Append each row's value unless the step was ``skipped`` (a 0-dim bool) or the
-        value is not finite, overwriting the oldest: eight small operations."""
+        value is not finite, overwriting the oldest (a value left out goes to the scratch
+        column): seven small operations."""
         keep = values.sub(values).add_(skipped) == 0  # 0 where finite, NaN where not
-        at = self.count % self._size
-        current = self.values[self._rows, at]
-        self.values.index_put_((self._rows, at), torch.where(keep, values, current))
+        at = torch.where(keep, self.count % self._size, self._scratch)
+        self.buffer.index_put_((self._rows, at), values)
         self.count.add_(keep)
 
 
@@ -176,9 +205,12 @@ class SpikeGuard:
     :attr:`GradScaler.last_skip_reason <ampscaler.GradScaler.last_skip_reason>` says
     ``"spike"``.
 
-    Cost on every step: one read-only pass over the gradients (``torch._foreach_norm``) and a
-    few operations on ``window``-long tensors; with a scaler ``process_group`` one
-    ``all_reduce`` of two numbers per optimizer and group. The windows are saved with the
+    Cost on every step: one read-only pass over the gradients (``torch._foreach_norm``: on a
+    GPU one multi-tensor kernel per chunk of tensors, on a CPU one ``vector_norm`` per tensor),
+    and about twenty small operations on ``window``-long tensors, however many gradients there
+    are (``benchmarks/dispatch_count.py`` counts them; each is a kernel launch on a GPU and a
+    few µs on a CPU); no host sync. With a scaler ``process_group``, one ``all_reduce`` of two
+    numbers per optimizer and group. The windows are saved with the
     scaler's ``state_dict`` and restored by ``load_state_dict`` (to the optimizers in the order
     they first step), so a resumed run decides exactly as an uninterrupted one; a guard added
     mid-run warms up then.
@@ -230,7 +262,8 @@ class SpikeGuard:
         self._restored: list[dict[str, Any]] = []
 
     def check(self, measured: StepMeasurements) -> torch.Tensor:
-        """Whether the step spikes (a 0-dim bool tensor on the device; no sync)."""
+        """Whether the step spikes: a 0-dim float32 flag on the device, 1.0 to skip (no
+        sync)."""
         norm = measured.grad_norm
         loss = measured.loss
         if loss is None:
@@ -292,15 +325,21 @@ class SpikeGuard:
 
 
 def _grad_norm(groups: GradGroups, device: torch.device) -> torch.Tensor:
-    """The L2 norm of every gradient in ``groups``, as they are now: one read-only pass (one
-    multi-tensor ``_foreach_norm`` per device and dtype), accumulated in float32 so that
-    float16 gradients cannot overflow it, and the norm of those norms (two small operations
-    per device and dtype)."""
-    norms: list[torch.Tensor] = [
-        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-        for per_dtype in groups.values()
-        for grads in per_dtype.values()
-    ]
+    """The L2 norm of every gradient in ``groups``, as they are now, accumulated in float32 so
+    that float16 gradients cannot overflow it: one read-only pass, a multi-tensor
+    ``_foreach_norm`` per device and dtype and the norm of those norms (three operations; one
+    ``vector_norm`` where a device and dtype holds one tensor, as a flat buffer does).
+
+    On a GPU ``_foreach_norm`` is one kernel per chunk of tensors; torch's CPU implementation
+    runs ``vector_norm`` tensor by tensor (about a µs each beyond the bandwidth), in C++."""
+    norms: list[torch.Tensor] = []
+    for per_dtype in groups.values():
+        for grads in per_dtype.values():
+            if len(grads) == 1:
+                norms.append(torch.linalg.vector_norm(grads[0], dtype=torch.float32))
+            else:
+                partial = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                norms.append(torch.linalg.vector_norm(torch.stack(partial)))
     if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
     if len(norms) == 1:
@@ -405,13 +444,13 @@ class GuardSet(Hook):
             if loss is not None:
                 loss = packed[1] / ranks
         measured = StepMeasurements(optimizer, norm, loss)
-        flags = [guard.check(measured).to(device) for guard in self._guards]
+        flags = [guard.check(measured).to(device, torch.float32) for guard in self._guards]
         if not flags:
             return torch.zeros((), dtype=torch.float32, device=device)
         flag = flags[0]
         for other in flags[1:]:
-            flag = flag | other
-        return flag.to(torch.float32)
+            flag = torch.maximum(flag, other)
+        return flag
 
     def after_check(self, check: Check) -> torch.Tensor:
         """The guards' flag for the optimizer just checked."""
@@ -427,7 +466,7 @@ class GuardSet(Hook):
         """Tell the guards whether the iteration was skipped."""
         found_inf, spiked = iteration.found_inf, iteration.spiked
         if found_inf is not None and spiked is not None:
-            self.end_iteration((found_inf + spiked) > 0)
+            self.end_iteration(torch.logical_or(found_inf, spiked))
 
     def end_iteration(self, skipped: torch.Tensor) -> None:
         """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
