@@ -288,8 +288,11 @@ class HeadroomPolicy(Policy):
         While the history is young (its first ``history_length`` iterations, every one
         measured) a measurement leaves it once ``young_window`` more have been stored, so the
         history that sampling takes over holds the last half of the young iterations, not the
-        first optimizer steps' larger gradients, which would otherwise hold the scale down until
-        sampling replaced them (about ``history_length * sample_every / 2`` iterations later).
+        first optimizer steps' larger gradients, which would otherwise hold the scale down
+        until sampling replaced them, about ``history_length * sample_every / 2`` iterations
+        later. (Sampling fills the empty slots first, then replaces the young measurements,
+        oldest first; a young ring of ``young_window`` slots, which sampling overwrote first,
+        cost the text LM a skipped step where this costs none.)
         Measured every iteration on ``benchmarks/scaling.py``'s text LM, the largest gradient
         of the first 8 iterations was 2.5x the largest of iterations 32 to 63 and 1.5x the
         largest of the 236 after them: kept, it held the token-summed loss's scale a binade
@@ -461,7 +464,8 @@ class HeadroomPolicy(Policy):
         hot = ~(measured <= FP16_MAX)  # inf, NaN, or beyond float16
         flag = flag + hot
         over = flag > 0
-        usable = (measured > 0.0) & ~over
+        clean = ~over
+        usable = (measured > 0.0) & clean
         scale = live.scale.double()
         # An overflow at a scale at or above the last one's: the largest gradient exceeded
         # 65504 / scale (the next float64 up: the target must stay below this scale).
@@ -474,27 +478,30 @@ class HeadroomPolicy(Policy):
         young = live.iteration < self.history_length
         window = self.young_window
         if window < self.history_length:
-            # While young, a measurement leaves after `window` more: the first optimizer steps
-            # move the gradients, and what they measured no longer holds once they settle.
+            # While young, a measurement leaves once `window` more are stored: the first
+            # optimizer steps move the gradients, and what they measured no longer holds once
+            # they settle. (Before `window` are stored that slot has never been written.)
             stale = torch.remainder(live.measured - window, self.history_length).reshape(1)
-            gone = write & young & (live.measured >= window)
+            gone = write & young
             live.history.index_put_((stale,), torch.where(gone, 0.0, live.history[stale]))
         live.measured.add_(write)
         live.overflowed_at.copy_(torch.where(over, live.scale, live.overflowed_at))
-        flushed = (measured == 0.0) & ~over  # measured, and every gradient was zero
+        flushed = (measured == 0.0) & clean  # measured, and every gradient was zero
         live.flushed.add_(flushed)
         peak = live.history.max()
         kept = torch.where(young, peak * self.first_margin, peak * self.margin)
         # One correctly rounded division (a Python number over a tensor would round twice).
         room = torch.full_like(peak, FP16_MAX) / kept
-        _, exponent = torch.frexp(room)  # room = m * 2**exponent with 0.5 <= m < 1
+        mantissa, _ = torch.frexp(room)  # room = m * 2**e with 0.5 <= m < 1 (exact)
         low, high = self.exponents
-        allowed = torch.exp2((exponent - 1).clamp(low, high).double()).float()
+        # 2**(e - 1) = room / (2 m) exactly: the quotient is representable, so division is exact.
+        allowed = (room / (mantissa * 2.0)).clamp(2.0**low, 2.0**high).float()
         # Nothing measured before, and every gradient zero now: the scale is too low to see
         # anything; it doubles, as a reactive rule grows (once per measured iteration).
         grown = torch.where(flushed, torch.clamp(live.target * 2.0, max=2.0**high), live.target)
         target = torch.where(peak > 0.0, allowed, grown)
-        ratio = torch.where(over, 1.0, target / live.target)  # a ratio of powers of two: exact
+        # A ratio of powers of two: exact (1 on an overflow, which backs off below).
+        ratio = torch.where(over, live.target, target) / live.target
         live.scale.mul_(ratio)  # keep the distance below the target (an overflow backs off)
         live.target.copy_(target)
         return flag
