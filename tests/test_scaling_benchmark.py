@@ -31,6 +31,10 @@ def test_the_quick_benchmark_runs_every_arm_on_the_chosen_workloads(tmp_path: Pa
         for row in rows.values():
             assert {"lost", "lost_outliers", "skips", "extra_passes", "mean_log2_scale"} <= set(row)
             assert {"flushed", "held_out_vs_fp32", "clean_time_vs_torch"} <= set(row)
+        # What attempts() costs a clean batch, paired with the same arm without it.
+        for arm in ("torch+attempts", "headroom+attempts"):
+            assert rows[arm]["attempts_cost"] is None or rows[arm]["attempts_cost"] > 0
+        assert rows["torch"]["attempts_cost"] is None
         # ampscaler's defaults are torch's (the script exits otherwise) ...
         assert rows["ampscaler"]["mean_log2_scale"] == rows["torch"]["mean_log2_scale"]
     # ... and the warm-up from 2**16 loses no batch with attempts() (torch's rule alone does).
