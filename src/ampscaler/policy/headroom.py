@@ -170,8 +170,8 @@ class HeadroomPolicy(Policy):
     Products of powers of two are exact, so the scale stays a power of two: unscaling is exact
     and fused optimizers keep ampscaler's one-pass route. Written with ``torch.where`` and
     torch's fused update kernel, it runs on the device and never waits for it; an iteration
-    that was not measured, and that the host knows did not overflow, costs four small device
-    ops; a measured one (or one that may have overflowed) about forty.
+    that was not measured costs five small device ops; a measured one (or one that may have
+    overflowed) about sixty.
 
     Args:
         margin: the largest scaled gradient is kept at least this factor below 65504; >= 1.
@@ -381,8 +381,8 @@ class HeadroomPolicy(Policy):
     @property
     def holds_on_nonfinite_loss(self) -> bool:
         """``True``: an iteration whose loss was already inf/NaN before scaling (bad data, a
-        forward overflow) leaves the scale, the target and the measurements as they were; a
-        lower scale cannot help such a step."""
+        forward overflow), and whose step was skipped, leaves the scale, the target and the
+        measurements as they were; a lower scale cannot help such a step."""
         return True
 
     def set_scale_(self, state: PolicyState, value: float) -> None:
@@ -433,8 +433,9 @@ class HeadroomPolicy(Policy):
     ) -> None:
         """Apply the rule to ``state`` in place: its tensors keep their identity.
 
-        An iteration that was not measured runs four device ops (torch's fused update kernel
-        among them); a measured one about thirty. No host sync.
+        An iteration that was not measured runs five device ops (torch's fused update kernel
+        among them); a measured one about sixty (the young window's nine among them). No host
+        sync.
 
         Raises:
             TypeError: ``state`` is not a :class:`HeadroomState`.
