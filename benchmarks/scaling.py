@@ -508,6 +508,7 @@ def summarize(work: Workload, tallies: dict[str, Tally]) -> dict[str, dict[str, 
             "held_out_vs_fp32": tally.held_out / fp32,
             "held_out_vs_torch": tally.held_out / base.held_out,
             "clean_time_vs_torch": clean / torch_clean,
+            "clean_ms": clean * 1e3,
             "outlier_gap": outlier_gap(tally, base, outliers),
         }
         cost = attempts_cost(tally, tallies[TWINS[name]]) if name in TWINS else None
