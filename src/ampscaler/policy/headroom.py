@@ -434,7 +434,7 @@ class HeadroomPolicy(Policy):
         """Apply the rule to ``state`` in place: its tensors keep their identity.
 
         An iteration that was not measured runs five device ops (torch's fused update kernel
-        among them); a measured one about sixty (the young window's nine among them). No host
+        among them); a measured one about sixty (the young window's eight among them). No host
         sync.
 
         Raises:
