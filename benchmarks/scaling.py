@@ -31,10 +31,14 @@ Per arm: ordinary and outlier batches lost (the batch's last try skipped), skipp
 extra passes (tries beyond one per batch), mean log2 of the scale each batch started at, the
 measured underflow (every ``--probe-every`` batches, before the arms train on it: the share of
 parameter-gradient elements that are nonzero in an fp32 backward but zero in the arm's float16
-backward at its scale), the held-out loss (fp32, after training) over the fp32 arm's, the
-median thread time of a clean batch (one try, stepped) over torch's, and, for the torch-rule
-arms, the largest binades by which the scale right after an outlier sits below torch's own 20
-batches after it.
+backward at its scale; in ``--json`` also from batch 1 on, without batch 0's probe, which
+finds ``HeadroomPolicy`` at its ``first_scale`` of 1), the held-out loss (fp32, after
+training) over the fp32 arm's, the median thread time of a clean batch (one try, stepped)
+over torch's, for the torch-rule arms the largest binades by which the scale right after an
+outlier sits below torch's own 20 batches after it, and, for the arms under ``attempts()``,
+what the loop costs a clean batch (``att.``): paired with the same arm without it on the
+batches both ran clean, per block of 10 such batches the ratio of the blocks' fastest, the
+median over blocks (the quartiles in ``--json``).
 
     PYTHONPATH=src python benchmarks/scaling.py            # 300 batches per workload
     PYTHONPATH=src python benchmarks/scaling.py --quick    # 30 batches: a smoke test
@@ -317,7 +321,9 @@ class Tally:
     lost_outliers: int = 0
     start_scales: list[float] = field(default_factory=list)
     clean_seconds: list[float] = field(default_factory=list)
+    clean_by_batch: dict[int, float] = field(default_factory=dict)  # batch number -> seconds
     underflow: list[int] = field(default_factory=lambda: [0, 0])  # [flushed, carrying signal]
+    underflow_later: list[int] = field(default_factory=lambda: [0, 0])  # the same from batch 1
     held_out: float = math.nan
     flush_warnings: int = 0
 
@@ -357,7 +363,7 @@ def one_try(work: Workload, trainer: Trainer, batch: Batch) -> bool:
     return was_skipped if is_torch else skipped(scaler, trainer.optimizer)
 
 
-def train_batch(work: Workload, trainer: Trainer, batch: Batch) -> None:
+def train_batch(work: Workload, trainer: Trainer, batch: Batch, number: int) -> None:
     tally, scaler = trainer.tally, trainer.scaler
     tally.start_scales.append(1.0 if scaler is None else scaler.get_scale())
     tries = scaler.attempts() if trainer.arm.attempts else range(1)
@@ -371,6 +377,7 @@ def train_batch(work: Workload, trainer: Trainer, batch: Batch) -> None:
     tally.tries += count
     if count == 1 and not last:
         tally.clean_seconds.append(seconds)
+        tally.clean_by_batch[number] = seconds
     if last:
         if batch.outlier:
             tally.lost_outliers += 1
@@ -382,7 +389,7 @@ def param_grads(model: nn.Module) -> list[Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-def probe_underflow(work: Workload, trainer: Trainer, batch: Batch) -> None:
+def probe_underflow(work: Workload, trainer: Trainer, batch: Batch, number: int) -> None:
     """Count the gradient elements nonzero in fp32 but zero in float16 at the arm's scale."""
     model, scaler = trainer.model, trainer.scaler
     scale = scaler.get_scale()
@@ -397,8 +404,10 @@ def probe_underflow(work: Workload, trainer: Trainer, batch: Batch) -> None:
         return  # an overflow at this scale: nothing to say about underflow
     for ref, got in zip(exact, half, strict=True):
         signal = ref != 0
-        trainer.tally.underflow[0] += int((signal & (got == 0)).sum())
-        trainer.tally.underflow[1] += int(signal.sum())
+        counts = int((signal & (got == 0)).sum()), int(signal.sum())
+        for tally in (trainer.tally.underflow, trainer.tally.underflow_later)[: 1 + (number > 0)]:
+            tally[0] += counts[0]
+            tally[1] += counts[1]
 
 
 def run_workload(work: Workload, probe_every: int) -> dict[str, Tally]:
@@ -411,10 +420,12 @@ def run_workload(work: Workload, probe_every: int) -> dict[str, Tally]:
         trainers.append(Trainer(arm, model, optimizer, scaler))
     for number, batch in enumerate(work.batches):
         order = trainers[number % len(trainers) :] + trainers[: number % len(trainers)]
+        if number % 2:  # every arm runs before and after each other arm, as often
+            order.reverse()
         for trainer in order:
             if number % probe_every == 0 and trainer.scaler is not None:
-                probe_underflow(work, trainer, batch)
-            train_batch(work, trainer, batch)
+                probe_underflow(work, trainer, batch, number)
+            train_batch(work, trainer, batch, number)
     for trainer in trainers:
         with torch.no_grad():
             losses = [float(work.held_out_loss(trainer.model, b)) for b in work.held_out]
@@ -434,6 +445,32 @@ def check_bitwise(trainers: list[Trainer]) -> None:
 
 
 # ---------------------------------------------------------------------------- the table
+
+
+#: Clean batches per block of the paired timing (:func:`attempts_cost`).
+BLOCK = 10
+#: Each arm under attempts() and the same arm without: the pair whose clean batches are timed.
+TWINS = {"torch+attempts": "ampscaler", "headroom+attempts": "headroom"}
+
+
+def attempts_cost(tally: Tally, twin: Tally) -> tuple[float, float, float] | None:
+    """What ``attempts()`` costs a clean batch: the thread time of an arm under it over its twin
+    without it, on the batches both ran clean in one try (the arms run interleaved, batch by
+    batch, in a rotating order). Per block of :data:`BLOCK` such batches, the ratio of the two
+    blocks' fastest batches (a load on the machine only slows a batch down, so a block's
+    minimum is its least disturbed); returned as the median and the quartiles over blocks
+    (``None``: fewer than two blocks)."""
+    both = sorted(set(tally.clean_by_batch) & set(twin.clean_by_batch))
+    ratios = []
+    for start in range(0, len(both) - BLOCK + 1, BLOCK):
+        block = both[start : start + BLOCK]
+        ours = min(tally.clean_by_batch[b] for b in block)
+        theirs = min(twin.clean_by_batch[b] for b in block)
+        ratios.append(ours / theirs)
+    if len(ratios) < 2:
+        return None
+    low, middle, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return middle, low, high
 
 
 def outlier_gap(tally: Tally, torch_tally: Tally, outliers: list[int]) -> float | None:
@@ -457,6 +494,7 @@ def summarize(work: Workload, tallies: dict[str, Tally]) -> dict[str, dict[str, 
         if name == "fp32":
             continue
         flushed, signal = tally.underflow
+        flushed_later, signal_later = tally.underflow_later
         clean = statistics.median(tally.clean_seconds) if tally.clean_seconds else math.nan
         rows[name] = {
             "lost": tally.lost_ordinary,
@@ -466,11 +504,16 @@ def summarize(work: Workload, tallies: dict[str, Tally]) -> dict[str, dict[str, 
             "mean_log2_scale": statistics.fmean(math.log2(s) for s in tally.start_scales),
             "final_scale": tally.start_scales[-1],
             "flushed": flushed / signal if signal else 0.0,
+            "flushed_from_batch_1": flushed_later / signal_later if signal_later else 0.0,
             "held_out_vs_fp32": tally.held_out / fp32,
             "held_out_vs_torch": tally.held_out / base.held_out,
             "clean_time_vs_torch": clean / torch_clean,
+            "clean_ms": clean * 1e3,
             "outlier_gap": outlier_gap(tally, base, outliers),
         }
+        cost = attempts_cost(tally, tallies[TWINS[name]]) if name in TWINS else None
+        rows[name]["attempts_cost"] = None if cost is None else cost[0]
+        rows[name]["attempts_cost_quartiles"] = None if cost is None else [cost[1], cost[2]]
     return rows
 
 
@@ -485,6 +528,7 @@ COLUMNS = [
     ("held_out_vs_torch", "vs torch", "{:.4f}"),
     ("clean_time_vs_torch", "time", "{:.3f}"),
     ("outlier_gap", "gap", "{:.0f}"),
+    ("attempts_cost", "att.", "{:.3f}"),
 ]
 
 
@@ -514,6 +558,10 @@ def checks(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
             ours["flushed"] <= torch_row["flushed"] + 0.001,
         ),
         (
+            "  the same without batch 0's probe (HeadroomPolicy's first step runs at scale 1)",
+            ours["flushed_from_batch_1"] <= torch_row["flushed_from_batch_1"] + 0.001,
+        ),
+        (
             "headroom+attempts held-out within 1% of torch",
             abs(ours["held_out_vs_torch"] - 1) <= 0.01,
         ),
@@ -521,6 +569,13 @@ def checks(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
         (
             "torch+attempts after an outlier <= 1 binade below torch 20 later",
             gap is None or gap <= 1,
+        ),
+        *(
+            (
+                f"{arm} clean batch within 1% of {TWINS[arm]}'s (median over blocks)",
+                rows[arm]["attempts_cost"] is not None and rows[arm]["attempts_cost"] <= 1.01,
+            )
+            for arm in TWINS
         ),
     ]
 

@@ -12,6 +12,8 @@ Python's floats are::
         again = trouble and 0 < overflowed_at <= scale      # overflowed here or lower before
         if usable or again:
             history[stored % length] = measured / scale if usable else next_up(65504 / scale)
+            if iteration < length and stored >= window:   # young: keep the last window
+                history[(stored - window) % length] = 0     # (window = max(1, length // 2))
             stored += 1
         if trouble: overflowed_at = scale
         flushed = measured == 0 and not trouble;  flushes += flushed
@@ -89,6 +91,10 @@ class HeadroomRef:
                     else math.nextafter(FP16_MAX / self.scale, math.inf)
                 )
                 self.history[self.stored % self.history_length] = entry
+                window = max(1, self.history_length // 2)
+                young = self.iteration < self.history_length
+                if young and window < self.history_length and self.stored >= window:
+                    self.history[(self.stored - window) % self.history_length] = 0.0
                 self.stored += 1
             if trouble:
                 self.overflowed_at = self.scale

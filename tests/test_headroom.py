@@ -564,3 +564,27 @@ def test_an_inf_loss_leaves_the_scale_and_the_measurements_alone() -> None:
     assert after["scale"] == before["scale"]
     assert after["headroom"]["history"] == before["headroom"]["history"]
     assert after["stats"]["skipped"] == before["stats"]["skipped"] + 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_nan_loss_whose_step_went_through_moves_the_policy_as_any_step(fused: bool) -> None:
+    """The policy holds where a non-finite loss skipped the step (a lower scale cannot help
+    it); a step that went through, its gradients finite, is a clean step for the scale, with a
+    plain optimizer (whose step the host knows, and whose update then makes no loss flag: 13
+    ops, not 42, in benchmarks/dispatch_count.py) and a fused one alike."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused or None)
+    scaler = GradScaler("cpu", policy=HeadroomPolicy(history_length=2, sample_every=4))
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    before = scaler.state_dict()["headroom"]["iteration"]
+    opt.zero_grad()
+    loss = model(torch.ones(2, 4)).sum() + torch.tensor(float("nan"))  # its gradients finite
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped
+    assert scaler.state_dict()["headroom"]["iteration"] == before + 1

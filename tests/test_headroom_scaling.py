@@ -129,3 +129,23 @@ def test_checkpoints_from_before_keep_loading() -> None:
     fresh.load_state_dict(saved)
     assert fresh.policy == ampscaler.HeadroomPolicy(first_margin=HeadroomPolicy().margin)
     assert fresh.state_dict()["headroom"]["flushed"] == 0
+
+
+def test_the_young_history_forgets_the_first_steps_larger_gradients() -> None:
+    """A token-summed loss's first steps measured gradients 2.5x larger than once the optimizer
+    settled, and kept in the history they held the scale a binade below torch's for the whole
+    run (benchmarks/scaling.py's token-sum): the young history keeps its last half only."""
+    policy = HeadroomPolicy(history_length=8, sample_every=4)  # its young window: 4
+    state = policy.initial_state(1.0, CPU)
+    clean = torch.tensor(0.0)
+    largest = [4e-3] + [1e-3] * 7  # the first step's gradient, then the settled ones
+    for gradient in largest:
+        state = policy.adjust(state, clean, torch.tensor(gradient) * state.scale)
+    assert float(state.history.max()) == pytest.approx(1e-3)
+    # 65504 / (1e-3 * first_margin 2) = 2**24.97: the settled gradients set the scale (the
+    # first step's would set 2**22).
+    assert float(state.scale) == 2.0**24
+    # Sampled measurements (after the young history) are kept for history_length, as before.
+    for gradient in (2e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3):
+        state = policy.adjust(state, clean, torch.tensor(gradient) * state.scale)
+    assert float(state.history.max()) == pytest.approx(2e-3)

@@ -165,6 +165,8 @@ def check_attempts(limit: object) -> int:
     Raises:
         InvalidConfigError: anything else.
     """
+    if type(limit) is int and limit >= 1:
+        return limit  # the common case, at every batch: the general check cost ~1% of a 0.7 ms one
     try:
         return require_int("max_attempts", limit, 1)
     except InvalidConfigError:

@@ -487,9 +487,10 @@ class ScalerState:
         ``found_inf > 0``, where the host knows it): move the state by the policy, count it.
         A policy that holds on a non-finite loss
         (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
-        does not move where the flag ``loss_nonfinite()`` gives is > 0 (asked for only
-        then). Returns a copy of the scale the iteration started from: ``start_scale`` (one
-        made already, in any float dtype) or a new one. ``compiling``: whether under
+        does not move where the flag ``loss_nonfinite()`` gives is > 0 and the step was
+        skipped (asked for only where the host does not know that it stepped). Returns a
+        copy of the scale the iteration started from: ``start_scale`` (one made already, in
+        any float dtype) or a new one. ``compiling``: whether under
         ``torch.compile``, where the caller knows it (asked otherwise). No host sync."""
         if self._deferred:
             self._settle_masked()
@@ -510,7 +511,10 @@ class ScalerState:
             known = self._lowest  # the common case: no write since, nothing to renew it by
         else:
             known = self._known_lowest(live.scale)
-        flag = loss_nonfinite() if loss_nonfinite is not None and self._holds else None
+        # A policy holds where a non-finite loss skipped the step; a step the host knows went
+        # through (no overflow) has nothing to hold, and the loss flag is not made.
+        holds = self._holds and overflowed is not False
+        flag = loss_nonfinite() if loss_nonfinite is not None and holds else None
         if flag is None:
             self._policy.update_(live.tensors, found_inf, measured)
         else:
@@ -531,9 +535,10 @@ class ScalerState:
         found_inf: torch.Tensor,
         measured: torch.Tensor | None,
     ) -> None:
-        """The policy's update, where the flag ``hold`` is not > 0 (branch-free)."""
+        """The policy's update, except where the flag ``hold`` is > 0 and the step was skipped
+        (branch-free)."""
         moved = adjusted(self._policy, live.tensors, found_inf, measured)
-        keep = hold.to(live.device) > 0
+        keep = (hold.to(live.device) > 0) & (found_inf.to(live.device) > 0)
         for tensor, value in zip(live.tensors, moved, strict=True):
             if value is not tensor:
                 tensor.copy_(torch.where(keep, tensor, value))

@@ -148,8 +148,8 @@ class HeadroomMeter:
         self._note(values)
 
     def _note(self, values: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._seen.setdefault(values.dtype, []).extend(torch.aminmax(values.detach()))
+        with torch.no_grad():  # the extremes need no graph, and the gradient no detached view
+            self._seen.setdefault(values.dtype, []).extend(torch.aminmax(values))
 
     def measure(self, optimizer: torch.optim.Optimizer) -> None:
         """Take ``optimizer``'s parameter gradients (scaled, before the check) into the
@@ -189,9 +189,8 @@ class HeadroomMeter:
         self._reset()
         if not seen:
             return torch.full((), NOT_MEASURED, dtype=torch.float32, device=device)
-        extremes = torch.cat(
-            [torch.stack([v.to(device) for v in values]).float() for values in seen.values()]
-        )
+        stacks = [torch.stack([v.to(device) for v in values]).float() for values in seen.values()]
+        extremes = stacks[0] if len(stacks) == 1 else torch.cat(stacks)
         return torch.nan_to_num(extremes.abs().max(), nan=float("inf"))
 
     def advance(self) -> None:
