@@ -65,16 +65,18 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .errors import InvalidConfigError, ScalerUsageError, warn_at_caller
 from .hostcopy import HostCopy, read_values
+from .iteration import Iteration, OptimizerRecord, SkipOrigin
 
 __all__ = [
     "NO_GROUP",
+    "Agreement",
     "GroupSpec",
     "Origins",
     "RankAgreement",
@@ -118,6 +120,77 @@ class Origins(NamedTuple):
     micro_batch: int | None = None
 
 
+class Agreement(Protocol):
+    """How a scaler reaches each optimizer's verdict: the one component it calls at the same
+    points of every iteration, whether the rank is alone (the scaler's own ``OneRank``, in
+    ``scaler.py``) or one of the ranks of process groups (:class:`RankAgreement`). The scaler
+    never asks which it holds.
+
+    Attributes:
+        ranks: the agreement over process groups (``None``: this rank alone), for a hook whose
+            own verdict must be the same on every rank (a guard's reduction).
+        local_shards: whether gradients are checked through this rank's local shards
+            (``DTensor``), the agreement making the verdict whole.
+    """
+
+    @property
+    def ranks(self) -> RankAgreement | None: ...
+
+    @property
+    def local_shards(self) -> bool: ...
+
+    def keep_loss(self, iteration: Iteration, loss: torch.Tensor) -> None:
+        """``scale()`` was given ``loss``: keep it in ``iteration`` (with its inf/NaN flag
+        where the ranks agree on it at the check)."""
+
+    def agree(
+        self,
+        record: OptimizerRecord,
+        found_inf: torch.Tensor | None,
+        iteration: Iteration,
+        device: torch.device,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> None:
+        """``record.optimizer``'s gradients were checked (``found_inf``; ``None``: none on
+        this rank): set ``record.found_inf`` to the verdict (on the device, no host sync)."""
+
+    def read_early(self, record: OptimizerRecord) -> bool | None:
+        """At ``unscale_()`` of a plain optimizer: whether it overflowed, where reading it now
+        is the one host sync its step needs anyway (``None``: not read now)."""
+
+    def decide(
+        self,
+        record: OptimizerRecord,
+        iteration: Iteration,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> bool:
+        """A plain optimizer's step: whether it is skipped (inf/NaN or a guard's veto; a host
+        sync). Where the agreement learned where a skip's trouble came from, it sets
+        ``record.origin``."""
+
+    def before_kernel(self, record: OptimizerRecord) -> None:
+        """A fused optimizer's kernel is about to take ``record.found_inf``: make it final."""
+
+    def flags(
+        self, iteration: Iteration
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
+        """At ``update()``: :meth:`Iteration.checked_flags
+        <ampscaler.iteration.Iteration.checked_flags>`, as agreed."""
+
+    def moved(self) -> None:
+        """The policy has just moved the state, eagerly, by the agreed flags."""
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded."""
+
+    def refuse_alone(self, reason: str) -> None:
+        """Raise :class:`~ampscaler.InvalidConfigError` if this rank decides alone among
+        several (:func:`refuse_alone`)."""
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value``, max-reduced over the ranks (a measurement every rank must act on)."""
+
+
 def refuse_alone(reason: str) -> None:
     """Refuse to go on when torch.distributed runs more than one rank and the scaler has no
     ``process_group`` to agree over: ``reason`` says what would diverge.
@@ -145,21 +218,23 @@ NO_GROUP: Any = _NoGroup()
 
 
 def agreement_for(
-    process_group: GroupSpec | None, refuse_unchecked: bool = True
-) -> tuple[RankAgreement | None, bool]:
-    """The agreement ``process_group=`` asks for (``None`` for none; ``refuse_unchecked``: see
-    :class:`RankAgreement`), and whether to look at the first step for the likely mistake of
-    an explicit ``None`` given before torch.distributed was initialized (see
-    :func:`warn_if_world_came_later`).
+    process_group: GroupSpec | None,
+    refuse_unchecked: bool,
+    alone: Callable[[bool], Agreement],
+) -> Agreement:
+    """The agreement ``process_group=`` asks for (``refuse_unchecked``: see
+    :class:`RankAgreement`); without a group, ``alone(look)``, where ``look`` says whether to
+    look at the first step for the likely mistake of an explicit ``None`` given before
+    torch.distributed was initialized (see :func:`warn_if_world_came_later`).
 
     Raises:
         InvalidConfigError: see :class:`RankAgreement`.
     """
     if process_group is NO_GROUP:
-        return None, False
+        return alone(False)
     if process_group is None:
-        return None, dist.is_available() and not dist.is_initialized()
-    return RankAgreement(process_group, refuse_unchecked), False
+        return alone(dist.is_available() and not dist.is_initialized())
+    return RankAgreement(process_group, refuse_unchecked)
 
 
 def warn_if_world_came_later() -> None:
@@ -354,20 +429,37 @@ class RankAgreement:
             parts.append(f"{shown} on {label} {', '.join(map(str, ranks))}")
         return f"{name} is {', '.join(parts)}"
 
+    # ------------------------------------------------------------------ the Agreement protocol
+
+    #: Gradients are checked through this rank's local shards; the verdict makes them whole.
+    local_shards = True
+
+    @property
+    def ranks(self) -> RankAgreement:
+        """This agreement (:class:`Agreement`)."""
+        return self
+
+    def keep_loss(self, iteration: Iteration, loss: torch.Tensor) -> None:
+        """Keep ``loss`` with its inf/NaN flag, agreed at the check (two or three small device
+        ops; no host sync)."""
+        iteration.keep_loss(loss, flag=True)
+
     def agree(
         self,
+        record: OptimizerRecord,
         found_inf: torch.Tensor | None,
-        loss_nonfinite: torch.Tensor | None,
+        iteration: Iteration,
         device: torch.device,
         settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> None:
         """Start agreeing on one optimizer's inf flag from the check (``None``: this rank held
         none of its gradients, and takes part with a clean flag) and on the iteration's loss
         flag (``None``: no loss kept; a clean flag).
 
-        Returns ``(local, agreed)``: ``found_inf`` as given, and the groups' two verdicts,
-        ``(found_inf, loss_nonfinite)`` (0-dim views of one tensor), which hold the agreed
-        values once :meth:`settle` has returned. The verdict carries a fingerprint of
+        Sets ``record.local_found_inf`` (``found_inf`` as given), ``record.found_inf`` and
+        ``iteration.loss_nonfinite`` (0-dim views of one verdict), which hold the agreed values
+        once the reductions are waited for (by :meth:`decide`, :meth:`before_kernel` or
+        :meth:`flags`, whichever reads them first). The verdict carries a fingerprint of
         ``settings()`` (the configuration and the live state) and of the checkpoint loads, so
         that ranks that differ are found in this reduction (module docstring). First, if an
         earlier verdict found differing fingerprints that no ``decide()`` has read yet, waits
@@ -381,7 +473,8 @@ class RankAgreement:
             self._compared = _Compared(settings(), self._loads)
         no, yes = self._compared.constants(device)
         flag = no if found_inf is None else found_inf.to(torch.float32)
-        loss = no if loss_nonfinite is None else loss_nonfinite.to(device, torch.float32)
+        local_loss = iteration.local_loss_flag
+        loss = no if local_loss is None else local_loss.to(device, torch.float32)
         held = no if found_inf is None else yes
         fingerprint, negated = self._compared.fingerprint(device)
         if loss.dim():
@@ -390,9 +483,89 @@ class RankAgreement:
         self._reduce_max(verdict)
         agreed = verdict[_FLAG]
         self._verdicts.append((verdict, agreed))
-        return found_inf, (agreed, verdict[_LOSS])
+        record.local_found_inf, record.found_inf = found_inf, agreed
+        iteration.loss_nonfinite = verdict[_LOSS]
 
-    def note_update(self) -> None:
+    def read_early(self, record: OptimizerRecord) -> None:
+        """Nothing is read at ``unscale_()``: the flag is agreed, and read, in ``step()``."""
+        return None
+
+    def decide(
+        self,
+        record: OptimizerRecord,
+        iteration: Iteration,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> bool:
+        """Wait for the groups' verdict on a non-fused optimizer and read it (one host sync):
+        whether every rank skips (for the agreed inf/NaN flag, or a guard's ``record.spike``),
+        and then where the trouble came from (``record.origin``, from :meth:`origins` of this
+        rank's flags and micro-batch, a collective every rank makes, as all of them skip
+        together).
+        ``settings()`` is what the ranks compare where the fingerprints differed (as for
+        :meth:`agree`).
+
+        Raises:
+            InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
+                gather naming the differences).
+            ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
+                without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
+        """
+        agreed = record.found_inf
+        assert agreed is not None, "agree() set the verdict"
+        mine = _verdict_of(agreed)
+        for settled, flag in self._settle():  # this one is read here; others' kernels take theirs
+            if settled is not mine:
+                self._fold(settled, flag)
+        verdict: list[float]
+        if record.spike is None:  # the verdict says it all: one read
+            verdict = mine.tolist()
+            skipped = verdict[_FLAG]
+        else:
+            verdict, skipped = read_values([mine, torch.maximum(agreed, record.spike)])
+        earlier = self._landed_differ()  # fused verdicts settled since the last check
+        if _differ(verdict) or earlier:
+            self._stop(settings)
+        if self._refuse_unchecked and verdict[_HELD] <= 0:
+            raise ScalerUsageError(NO_GRADIENTS)
+        if not skipped:
+            return False
+        local_flags = (record.local_found_inf, iteration.local_loss_flag)
+        origins = self.origins(local_flags, iteration.first_nonfinite_loss())
+        if verdict[_LOSS] > 0:  # the agreed loss flag
+            record.origin = SkipOrigin("loss", origins.loss_ranks, origins.micro_batch)
+        else:
+            cause = "gradients" if iteration.losses else None
+            record.origin = SkipOrigin(cause, origins.gradient_ranks)
+        return True
+
+    def before_kernel(self, record: OptimizerRecord) -> None:
+        """Wait for the verdicts (the kernel must see the agreed flag); an optimizer none of
+        whose gradients any rank held gets no flag (refused at ``update()``, as in torch),
+        unless ``refuse_unchecked`` is ``False``. A host sync only on a rank that held none of
+        its gradients itself."""
+        self.settle()
+        agreed = record.found_inf
+        if record.local_found_inf is None and agreed is not None and self._unchecked(agreed):
+            record.found_inf = None
+
+    def flags(
+        self, iteration: Iteration
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
+        """The iteration's agreed flags, once every reduction has been waited for."""
+        self.settle()
+        return iteration.checked_flags()
+
+    def refuse_alone(self, reason: str) -> None:
+        """The ranks decide together: nothing to refuse."""
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` max-reduced over the groups (one all_reduce per group; with gloo the host
+        waits)."""
+        agreed = self.launch(value)
+        self.settle()
+        return agreed
+
+    def moved(self) -> None:
         """The scaler's policy has just moved the state, eagerly, by the transition every rank
         applies to the same state with the same agreed flags: the ranks that held the same
         state still do, so the next verdict sends the last fingerprint again instead of hashing
@@ -401,7 +574,7 @@ class RankAgreement:
         if self._compared is not None:
             self._compared.note_transition()
 
-    def note_load(self) -> None:
+    def loaded(self) -> None:
         """A checkpoint was loaded on this rank: the ranks compare what they hold at the next
         verdict (the count is part of the fingerprint, so a rank that loaded while the others
         did not is found even when it loaded what they hold)."""
@@ -466,54 +639,13 @@ class RankAgreement:
         torch.clamp(verdict[_FLAG:].sum(), max=1.0, out=agreed)
         self._landing.append(HostCopy(verdict, 0))
 
-    def decide(
-        self,
-        local_flags: tuple[torch.Tensor | None, torch.Tensor | None],
-        agreed: torch.Tensor,
-        settings: Callable[[], Mapping[str, SettingValue]],
-        spike: torch.Tensor | None = None,
-        micro_batch: Callable[[], int | None] = lambda: None,
-    ) -> tuple[bool, Origins]:
-        """Wait for the groups' verdict on a non-fused optimizer and read it (one host sync):
-        whether every rank skips (for the agreed inf/NaN flag ``agreed``, or a guard's
-        ``spike``), and then where the trouble came from (:meth:`origins` of this rank's
-        ``local_flags`` and ``micro_batch()``, a collective every rank makes, as all of them
-        skip together). ``settings()`` is what the ranks compare where the fingerprints
-        differed (as for :meth:`agree`).
-
-        Raises:
-            InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
-                gather naming the differences).
-            ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
-                without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
-        """
-        mine = _verdict_of(agreed)
-        for settled, flag in self._settle():  # this one is read here; others' kernels take theirs
-            if settled is not mine:
-                self._fold(settled, flag)
-        verdict: list[float]
-        if spike is None:  # the verdict says it all: one read
-            verdict = mine.tolist()
-            skipped = verdict[_FLAG]
-        else:
-            verdict, skipped = read_values([mine, torch.maximum(agreed, spike)])
-        earlier = self._landed_differ()  # fused verdicts settled since the last check
-        if _differ(verdict) or earlier:
-            self._stop(settings)
-        if self._refuse_unchecked and verdict[_HELD] <= 0:
-            raise ScalerUsageError(NO_GRADIENTS)
-        if not skipped:
-            return False, Origins()
-        return True, self.origins(local_flags, micro_batch())
-
-    def unchecked(self, agreed: torch.Tensor) -> bool:
+    def _unchecked(self, agreed: torch.Tensor) -> bool:
         """Whether the optimizer whose verdict is ``agreed`` is to be treated as unchecked (as
         torch's ``GradScaler`` treats an optimizer without gradients): no rank of the groups
         held any of its gradients, and this agreement refuses such optimizers. A host sync
         when it does: ask only on a rank that held none of them itself."""
         if not self._refuse_unchecked:
             return False
-        self.settle()
         return float(_verdict_of(agreed)[_HELD].item()) <= 0
 
     def origins(

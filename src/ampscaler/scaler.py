@@ -43,8 +43,8 @@ from .checkpoint import from_state_dict, to_state_dict
 from .compat import TorchPrivateNames
 from .distributed import (
     NO_GROUP,
+    Agreement,
     GroupSpec,
-    Origins,
     RankAgreement,
     SettingValue,
     agreement_for,
@@ -65,7 +65,6 @@ from .iteration import (
     Iteration,
     OptimizerRecord,
     OptState,
-    SkipOrigin,
     SkipReason,
     StepOutcome,
 )
@@ -149,6 +148,85 @@ def _scale_nested(
         return type(value)(items) if isinstance(value, (list, tuple)) else items
 
     return scaled(outputs)
+
+
+class OneRank:
+    """The :class:`~ampscaler.distributed.Agreement` of a rank that decides alone (no
+    ``process_group``): the verdict is the rank's own flag, read where the step needs it.
+
+    Args:
+        look_for_world: at the first check, warn if torch.distributed turned out to run
+            several ranks (``process_group=None`` given before ``init_process_group()``).
+    """
+
+    ranks: RankAgreement | None = None
+    local_shards = False
+
+    def __init__(self, look_for_world: bool = False) -> None:
+        self._look_for_world = look_for_world
+
+    def keep_loss(self, iteration: Iteration, loss: torch.Tensor) -> None:
+        """Keep ``loss`` (no device work)."""
+        iteration.keep_loss(loss)
+
+    def agree(
+        self,
+        record: OptimizerRecord,
+        found_inf: torch.Tensor | None,
+        iteration: Iteration,
+        device: torch.device,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> None:
+        """The verdict is the check's flag."""
+        record.found_inf = found_inf
+        if self._look_for_world:
+            self._look_for_world = False
+            warn_if_world_came_later()
+
+    def read_early(self, record: OptimizerRecord) -> bool | None:
+        """A plain optimizer's flag, read now (the host sync its step needs anyway); ``None``
+        for a fused optimizer, whose kernel takes the flag, or one without gradients."""
+        found_inf = record.found_inf
+        if found_inf is None or getattr(record.optimizer, "_step_supports_amp_scaling", False):
+            return None
+        return bool(found_inf.item())
+
+    def decide(
+        self,
+        record: OptimizerRecord,
+        iteration: Iteration,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> bool:
+        """Whether the step is skipped: known from ``unscale_()``, or read now (a host sync)."""
+        found_inf, spike = record.found_inf, record.spike
+        assert found_inf is not None, "step() refuses an optimizer without gradients"
+        if record.known_overflow is not None and spike is None:
+            return record.known_overflow
+        skip = found_inf if spike is None else torch.maximum(found_inf, spike)
+        return bool(skip.item())
+
+    def before_kernel(self, record: OptimizerRecord) -> None:
+        """The check's flag is final."""
+
+    def flags(
+        self, iteration: Iteration
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
+        """The iteration's flags as checked."""
+        return iteration.checked_flags()
+
+    def moved(self) -> None:
+        """Nothing to compare with."""
+
+    def loaded(self) -> None:
+        """Nothing to compare with."""
+
+    def refuse_alone(self, reason: str) -> None:
+        """Raise if this rank is one of several (:func:`~ampscaler.distributed.refuse_alone`)."""
+        refuse_alone(reason)
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value``: this rank is the only one."""
+        return value
 
 
 class GradScaler(TorchPrivateNames):
@@ -268,11 +346,14 @@ class GradScaler(TorchPrivateNames):
         self._init_scale = starting_scale(chosen, init_scale)
         self._init_growth_tracker = 0
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
-        self._planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
+        planner = GradPlanner() if check_switch("flat_grads", flat_grads) else None
+        self._planner = planner
+        # How gradients are gathered for the check: one walk, or through the planner's buffers.
+        self._gather: Callable[..., GradGroups] = collect if planner is None else planner.groups
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
-        self._agreement, self._world_expected = agreement_for(
-            process_group, self._refuses_unchecked
+        self._agreement: Agreement = agreement_for(
+            process_group, self._refuses_unchecked, OneRank
         )
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
@@ -349,9 +430,8 @@ class GradScaler(TorchPrivateNames):
         # Eagerly the loss is kept as given and let go of at update() (Iteration.
         # let_go_of_losses); a compiled step keeps it detached: one path for every step.
         kept = loss.detach() if compiling else loss
-        # With a process group the loss flag is agreed at the check: kept as the losses come.
         iteration = self._iteration
-        iteration.keep_loss(kept, flag=self._agreement is not None)
+        self._agreement.keep_loss(iteration, kept)
         if not compiling:  # a Python count read under torch.compile would be guarded on
             for hook in self._hooks.at_scale:
                 hook.at_scale(iteration)
@@ -408,13 +488,8 @@ class GradScaler(TorchPrivateNames):
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
         self._unscale(record, live)
-        if (
-            not torch.compiler.is_compiling()
-            and self._agreement is None
-            and record.found_inf is not None
-            and not getattr(optimizer, "_step_supports_amp_scaling", False)
-        ):
-            record.known_overflow = bool(record.found_inf.item())
+        if not torch.compiler.is_compiling():
+            record.known_overflow = self._agreement.read_early(record)
             if record.known_overflow:  # heard now, while the gradients are as checked
                 record.reported = True
                 for hook in self._hooks.on_skip:
@@ -433,11 +508,8 @@ class GradScaler(TorchPrivateNames):
             prepare()  # e.g. master weights: the gradients checked are the masters'
         for hook in self._hooks.before_check:
             hook.before_check(record, live.scale)
-        local = self._agreement is not None  # then this scaler reduces the flag itself
-        if self._planner is not None:
-            groups = self._planner.groups(optimizer, allow_fp16, local)
-        else:
-            groups = collect(optimizer, allow_fp16=allow_fp16, local=local)
+        local = self._agreement.local_shards
+        groups = self._gather(optimizer, allow_fp16=allow_fp16, local=local)
         # Under torch.compile the flags are not read: a guard on them would recompile.
         if not torch.compiler.is_compiling() and self._bf16.active:
             self._bf16.look_at_gradients({dtype for per in groups.values() for dtype in per})
@@ -455,19 +527,12 @@ class GradScaler(TorchPrivateNames):
         found_inf = check_and_unscale_(groups, multiplier, live.device)
         iteration = self._iteration
         for hook in self._hooks.after_check:
-            check = Check(iteration, record, groups, multiplier * live.scale, live, self._agreement)
+            unscaled_by = multiplier * live.scale
+            check = Check(iteration, record, groups, unscaled_by, live, self._agreement.ranks)
             flag = hook.after_check(check)
             if flag is not None:
                 record.spike = flag if record.spike is None else torch.maximum(record.spike, flag)
-        if self._agreement is not None:  # the inf flag and the loss flag, agreed together
-            record.local_found_inf, agreed = self._agreement.agree(
-                found_inf, iteration.local_loss_flag, live.device, self._settings
-            )
-            found_inf, iteration.loss_nonfinite = agreed[0], agreed[1]
-        elif self._world_expected:  # process_group=None given before init_process_group()
-            self._world_expected = False
-            warn_if_world_came_later()
-        record.found_inf = found_inf
+        self._agreement.agree(record, found_inf, iteration, live.device, self._settings)
         iteration.scale = live.scale
 
     def _settings(self) -> dict[str, SettingValue]:
@@ -536,39 +601,17 @@ class GradScaler(TorchPrivateNames):
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
-        origins = None
-        if self._agreement is not None:  # the group's verdict (read once settled), its origins
-            skipped, origins = self._agreement.decide(
-                (record.local_found_inf, self._iteration.local_loss_flag),
-                found_inf,
-                self._settings,
-                record.spike,
-                self._iteration.first_nonfinite_loss,
-            )
-        elif record.known_overflow is not None and record.spike is None:
-            skipped = record.known_overflow  # unscale_() read it
-        else:
-            skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
-            skipped = bool(skip.item())
+        iteration = self._iteration
+        skipped = self._agreement.decide(record, iteration, self._settings)
         # Only a skipped step with a guard needs to know which flag it was: a second read.
         nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
         self._stepped(record, nonfinite, skipped and not nonfinite, live)
         if nonfinite and not record.reported:
-            record.origin = self._skip_origin(origins)
+            if record.origin is None:  # not told by the agreement: this rank's own
+                record.origin = iteration.loss_origin()
             for hook in self._hooks.on_skip:
-                hook.on_skip(self._iteration, record, live)
+                hook.on_skip(iteration, record, live)
         return None if skipped else record.optimizer.step(*args, **kwargs)
-
-    def _skip_origin(self, origins: Origins | None) -> SkipOrigin:
-        """Where a skipped plain step's trouble came from: agreed over the process group (its
-        ranks and micro-batch gathered by the decision), or this rank's."""
-        iteration = self._iteration
-        if origins is None or iteration.loss_nonfinite is None:
-            return iteration.loss_origin()
-        if bool(iteration.loss_nonfinite > 0):
-            return SkipOrigin("loss", origins.loss_ranks, origins.micro_batch)
-        cause = "gradients" if iteration.losses else None
-        return SkipOrigin(cause, origins.gradient_ranks)
 
     def _fused_step(
         self,
@@ -587,13 +630,7 @@ class GradScaler(TorchPrivateNames):
             exact = one_pass and self._state.exact_reciprocal
             multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
             self._check(groups, record, live, multiplier)
-        agreement = self._agreement
-        if agreement is not None:
-            agreement.settle()  # the kernel must see the agreed flag
-            agreed = record.found_inf  # below: when this rank held none, did any rank?
-            held_none = record.local_found_inf is None
-            if held_none and agreed is not None and agreement.unchecked(agreed):
-                record.found_inf = None  # held by no rank: refused at update(), as in torch
+        self._agreement.before_kernel(record)
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=live.device)
@@ -658,10 +695,8 @@ class GradScaler(TorchPrivateNames):
             return
         live = self._state.require("update")
         iteration = self._iteration
-        if self._agreement is not None:
-            self._agreement.settle()
         # found_inf > 0 iff any overflowed; overflowed: whether, where the host knows it
-        flags, found_inf, overflowed, spiked = iteration.checked_flags()
+        flags, found_inf, overflowed, spiked = self._agreement.flags(iteration)
         if new_scale is None and found_inf is not None and compiling and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
@@ -673,8 +708,8 @@ class GradScaler(TorchPrivateNames):
         for hook in hooks.before_update:
             hook.before_update(iteration, live)
         old_scale = self._move(new_scale, found_inf, spiked, live, overflowed, compiling)
-        if new_scale is None and not compiling and self._agreement is not None:
-            self._agreement.note_update()  # every rank moved alike: no new fingerprint
+        if new_scale is None and not compiling:
+            self._agreement.moved()  # every rank moved alike: no new fingerprint
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
             self._iteration = Iteration()
             return
@@ -826,8 +861,8 @@ class GradScaler(TorchPrivateNames):
                 and a rank that replays alone leaves the others waiting).
         """
         limit = check_attempts(max_attempts)
-        if self._enabled and self._agreement is None:
-            refuse_alone(
+        if self._enabled:
+            self._agreement.refuse_alone(
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
             )
@@ -1076,8 +1111,7 @@ class GradScaler(TorchPrivateNames):
         for restore in restores:
             if restore is not None:
                 restore()
-        if self._agreement is not None:
-            self._agreement.note_load()  # the ranks compare what they hold at the next step
+        self._agreement.loaded()  # the ranks compare what they hold at the next step
 
     def _agree_over(self, process_group: GroupSpec) -> None:
         """Agree on overflow over ``process_group`` from the next check on, as if it had been
@@ -1094,7 +1128,7 @@ class GradScaler(TorchPrivateNames):
         if old is not None:
             old.meter.detach()
             self._hooks.remove(old)
-        meter = policy.new_meter(iteration, agreed=self._agreement is not None)
+        meter = policy.new_meter(iteration, agreed=self._agreement.ranks is not None)
         if meter is None or not self._enabled:
             return
         for model, prefix in self._watched:
