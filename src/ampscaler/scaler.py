@@ -1271,8 +1271,8 @@ class GradScaler(TorchPrivateNames):
         return self._hooks.find(Monitor)  # type: ignore[no-any-return]
 
     def attach(self, plugin: PluginT) -> PluginT:
-        """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (what
-        consumes step records, a sink, goes to :meth:`add_sink`; a callback to :meth:`on`):
+        """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (a
+        callback goes to :meth:`on`):
 
         - a :class:`~ampscaler.Hook` of your own (:mod:`ampscaler.hooks`: the moments of an
           iteration it is told about);
@@ -1284,41 +1284,56 @@ class GradScaler(TorchPrivateNames):
           being handed to the next ``scale()``;
         - a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer` on the
           models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of
-          the default one.
+          the default one;
+        - a sink, anything with ``write(record)`` (:class:`~ampscaler.StepHistory`,
+          :class:`~ampscaler.JsonlSink`, :class:`~ampscaler.LoggingSink`, ...; see
+          :mod:`ampscaler.observe.sinks`): it gets every step record at the end of
+          :meth:`update`, which then syncs once per iteration.
 
-        :meth:`detach` takes a hook or guard out again.
+        :meth:`detach` takes any of them out again (a sink is not closed).
 
         Example:
             >>> import ampscaler
             >>> scaler = ampscaler.GradScaler("cpu")
             >>> guard = scaler.attach(ampscaler.SpikeGuard(sigma=6.0, window=128))
             >>> probe = scaler.attach(ampscaler.GradientProbe(every=100))
+            >>> history = scaler.attach(ampscaler.StepHistory(1000))
             >>> scaler.detach(guard)
 
         Raises:
-            TypeError: none of these (a sink: :meth:`add_sink`). ValueError: attached already
-                (a probe or tracer: one of each).
+            TypeError: none of these. ValueError: attached already (a probe or tracer: one of
+                each).
         """
         if isinstance(plugin, Hook):
             self._hooks.add(plugin)
         elif not any(hook.adopt(plugin) for hook in self._hooks):
-            raise TypeError(
-                "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
-                f"GradientProbe, a NonFiniteTracer or a CollapseWatch, got "
-                f"{type(plugin).__name__}; objects that take step records go to add_sink()."
-            )
+            if not isinstance(plugin, Sink):
+                raise TypeError(
+                    "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
+                    "GradientProbe, a NonFiniteTracer, a CollapseWatch or a sink (an object "
+                    f"with write(record), what add_sink() took), got {type(plugin).__name__}."
+                )
+            self._observers.add_sink(plugin)
         return plugin
 
     def detach(self, plugin: object) -> None:
-        """Take a hook or guard that :meth:`attach` added out again.
+        """Take a hook, guard, observer or sink that :meth:`attach` added out again (a sink is
+        not closed).
 
         Raises:
             ValueError: it is not attached.
         """
         if isinstance(plugin, Hook):
             self._hooks.remove(plugin)
-        elif not any(hook.release(plugin) for hook in self._hooks):
-            raise ValueError(f"{plugin!r} is not attached to this scaler; see scaler.attach().")
+            return
+        if any(hook.release(plugin) for hook in self._hooks):
+            return
+        try:
+            self._observers.remove_sink(plugin)  # type: ignore[arg-type]
+        except ValueError:
+            raise ValueError(
+                f"{plugin!r} is not attached to this scaler; see scaler.attach()."
+            ) from None
 
     def add_guard(self, guard: PluginT) -> PluginT:
         """Deprecated: :meth:`attach` takes guards."""
@@ -1332,30 +1347,22 @@ class GradScaler(TorchPrivateNames):
         return guard
 
     def add_sink(self, sink: SinkT) -> SinkT:
-        """Send every step record to ``sink`` (an object with ``write(record)``); returns it.
-
-        Attaching a sink makes :meth:`update` sync once per iteration. See
-        :mod:`ampscaler.observe.sinks`.
-
-        Example:
-            >>> import ampscaler, torch
-            >>> from ampscaler import LoggingSink
-            >>> scaler = ampscaler.GradScaler("cpu")
-            >>> sink = scaler.add_sink(LoggingSink("train"))
-            >>> scaler.remove_sink(sink)
+        """Deprecated: :meth:`attach` takes sinks.
 
         Raises:
             TypeError: ``sink`` has no ``write`` method.
         """
+        _deprecated("add_sink(sink)", "scaler.attach(sink)")
         self._observers.add_sink(sink)
         return sink
 
     def remove_sink(self, sink: Sink) -> None:
-        """Stop sending records to ``sink`` (without closing it).
+        """Deprecated: :meth:`detach` takes sinks out.
 
         Raises:
             ValueError: ``sink`` is not attached.
         """
+        _deprecated("remove_sink(sink)", "scaler.detach(sink)")
         self._observers.remove_sink(sink)
 
     def watch(self, *models: torch.nn.Module, **named_models: torch.nn.Module) -> None:
