@@ -352,9 +352,7 @@ class GradScaler(TorchPrivateNames):
         self._gather: Callable[..., GradGroups] = collect if planner is None else planner.groups
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
-        self._agreement: Agreement = agreement_for(
-            process_group, self._refuses_unchecked, OneRank
-        )
+        self._agreement: Agreement = agreement_for(process_group, self._refuses_unchecked, OneRank)
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
@@ -707,7 +705,7 @@ class GradScaler(TorchPrivateNames):
         iteration.by_policy = new_scale is None
         for hook in hooks.before_update:
             hook.before_update(iteration, live)
-        old_scale = self._move(new_scale, found_inf, spiked, live, overflowed, compiling)
+        old_scale = self._move(new_scale, found_inf, spiked, compiling)
         if new_scale is None and not compiling:
             self._agreement.moved()  # every rank moved alike: no new fingerprint
         if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
@@ -722,12 +720,9 @@ class GradScaler(TorchPrivateNames):
         new_scale: float | torch.Tensor | None,
         found_inf: torch.Tensor | None,
         spiked: torch.Tensor | None,
-        live: LiveState,
-        overflowed: bool | None,
         compiling: bool,
     ) -> torch.Tensor:
-        """Set the scale to ``new_scale``, or move it by the policy (``overflowed``: whether
-        the iteration overflowed, where the host knows it; ``compiling``: under
+        """Set the scale to ``new_scale``, or move it by the policy (``compiling``: under
         ``torch.compile``); returns a copy of the scale before."""
         if new_scale is not None:
             value = new_scale_value(new_scale, self._state.policy)
@@ -739,7 +734,6 @@ class GradScaler(TorchPrivateNames):
             spiked,
             iteration.measured,
             iteration.cause_flag,
-            overflowed,
             iteration.start_scale,
             compiling,
         )
