@@ -48,7 +48,7 @@ class NoOp(torch.optim.Optimizer):
 
 def scalers() -> dict[str, Scaler]:
     guarded = ampscaler.GradScaler("cpu", init_scale=LOSS_SCALE)
-    guarded.add_guard(ampscaler.SpikeGuard())
+    guarded.attach(ampscaler.SpikeGuard())
     return {
         "torch": torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE),
         "ampscaler": ampscaler.GradScaler("cpu", init_scale=LOSS_SCALE),

@@ -695,48 +695,51 @@ class GradScaler(TorchPrivateNames):
         iteration = self._iteration
         # found_inf > 0 iff any overflowed; overflowed: whether, where the host knows it
         flags, found_inf, overflowed, spiked = self._agreement.flags(iteration)
-        if new_scale is None and found_inf is not None and compiling and self._defers_update():
+        if new_scale is not None:
+            self._set_scale(new_scale, iteration, found_inf, spiked, overflowed, live, compiling)
+            return
+        if found_inf is None:
+            iteration.refuse_unchecked()
+        if compiling and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
             self._end(iteration, found_inf, live.scale, None, live, None, compiling)
             return
-        if new_scale is None and found_inf is None:
-            iteration.require_checked()
-        iteration.by_policy = new_scale is None
         for hook in hooks.before_update:
             hook.before_update(iteration, live)
-        old_scale = self._move(new_scale, found_inf, spiked, compiling)
-        if new_scale is None and not compiling:
+        old_scale = self._state.advance(
+            found_inf, spiked, iteration.measured, iteration.cause_flag, iteration.start_scale,
+            compiling,
+        )  # fmt: skip
+        if not compiling:
             self._agreement.moved()  # every rank moved alike: no new fingerprint
-        if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
+        self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
+        if self._max_consecutive_skips is not None:
+            self._check_persistent_overflow(live, self._max_consecutive_skips)
+
+    def _set_scale(
+        self,
+        new_scale: float | torch.Tensor,
+        iteration: Iteration,
+        found_inf: torch.Tensor | None,
+        spiked: torch.Tensor | None,
+        overflowed: bool | None,
+        live: LiveState,
+        compiling: bool,
+    ) -> None:
+        """``update(new_scale)``: validate it, write it by the policy, end the iteration (a
+        host sync for a tensor ``new_scale``)."""
+        value = new_scale_value(new_scale, self._state.policy)
+        iteration.by_policy = False
+        for hook in self._hooks.before_update:
+            hook.before_update(iteration, live)
+        old_scale = self._state.set_scale(value, found_inf, spiked)
+        if found_inf is None:  # nothing stepped: nothing to count
             self._iteration = Iteration()
             return
         self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
-
-    def _move(
-        self,
-        new_scale: float | torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        spiked: torch.Tensor | None,
-        compiling: bool,
-    ) -> torch.Tensor:
-        """Set the scale to ``new_scale``, or move it by the policy (``compiling``: under
-        ``torch.compile``); returns a copy of the scale before."""
-        if new_scale is not None:
-            value = new_scale_value(new_scale, self._state.policy)
-            return self._state.set_scale(value, found_inf, spiked)
-        assert found_inf is not None
-        iteration = self._iteration
-        return self._state.advance(
-            found_inf,
-            spiked,
-            iteration.measured,
-            iteration.cause_flag,
-            iteration.start_scale,
-            compiling,
-        )
 
     def _defers_update(self) -> bool:
         """Whether ``update()`` under ``torch.compile`` hands its work to the next read of the

@@ -291,6 +291,8 @@ class LiveState:
         scale: the loss scale, a 0-dim float32 tensor (``tensors.scale``).
         growth_tracker: torch's growth tracker, a 0-dim int32 tensor.
         counters: the step counters.
+        floor: :data:`~ampscaler.policy.LOWEST_SCALE` as a 0-dim float32 tensor on the device
+            (a clamp to a tensor dispatches faster than one to a Python number).
         device: where the state lives.
         float64: whether the device computes in float64 (MPS and Intel Arc do not).
     """
@@ -301,6 +303,7 @@ class LiveState:
         self.growth_tracker = tensors.growth_tracker
         self.device = self.scale.device
         self.counters = StepCounters(self.scale, stats)
+        self.floor = torch.full((), LOWEST_SCALE, dtype=torch.float32, device=self.device)
         self.float64 = _supports_float64(self.device)
 
     def replace_tensors(self, tensors: PolicyState) -> None:
@@ -494,7 +497,7 @@ class ScalerState:
             self._policy.update_(live.tensors, found_inf, measured)
         else:
             self._update_unless(flag, live, found_inf, measured)
-        live.scale.clamp_(min=LOWEST_SCALE)  # the floor
+        live.scale.clamp_min_(live.floor)  # the floor
         if compiling or (compiling is None and torch.compiler.is_compiling()):
             live.counters.count_now(found_inf, old, spiked)
         else:
