@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -365,10 +364,6 @@ class GradScaler(TorchPrivateNames):
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
         self._watched = WatchedModels()  # for the policy's meter
         self._add_meter(chosen, 0)
-        self._last_outcome: StepOutcome | None = None
-        # Each optimizer's latest outcome by id, dropped with the optimizer (a weak-keyed
-        # dict would make a weak reference at every step).
-        self._outcomes: dict[int, StepOutcome] = {}
         # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
         self._bf16 = Bfloat16Watch()
         if self._enabled and self._device == "cpu":
@@ -645,11 +640,8 @@ class GradScaler(TorchPrivateNames):
         live: LiveState,
     ) -> None:
         record.stage = OptState.STEPPED
-        outcome = record.outcome = self._last_outcome = StepOutcome(found_inf, spike)
-        outcomes, key = self._outcomes, id(record.optimizer)
-        if key not in outcomes:  # dropped when the optimizer is, before its id is reused
-            weakref.finalize(record.optimizer, outcomes.pop, key, None)
-        outcomes[key] = outcome
+        record.outcome = StepOutcome(found_inf, spike)
+        self._iteration.outcomes.add(record.optimizer, record.outcome)
         for hook in self._hooks.after_step:
             hook.after_step(self._iteration, record, live)
 
@@ -735,7 +727,7 @@ class GradScaler(TorchPrivateNames):
             hook.before_update(iteration, live)
         old_scale = self._state.set_scale(value, found_inf, spiked)
         if found_inf is None:  # nothing stepped: nothing to count
-            self._iteration = Iteration()
+            self._iteration = iteration.next()
             return
         self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
         if self._max_consecutive_skips is not None:
@@ -765,7 +757,7 @@ class GradScaler(TorchPrivateNames):
             iteration.let_go_of_losses(clean=overflowed is False)
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
-        self._finished, self._iteration = iteration, Iteration()
+        self._finished, self._iteration = iteration, iteration.next()
         if self._bf16.active:
             self._bf16.stop()
         hooks = self._hooks
@@ -1142,17 +1134,13 @@ class GradScaler(TorchPrivateNames):
         if self._enabled:  # as torch's: a copy starts from the values held now
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
-        outcome = self._last_outcome
-        state["_last_outcome"] = None if outcome is None else outcome.settled()
-        # Which optimizers skipped, and which models are watched, belong to this object.
-        state["_outcomes"] = None
+        # Which models are watched belongs to this object.
         state["_watched"] = WatchedModels()
         state["_finished"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._outcomes = {}
 
     # ------------------------------------------------------------------ skips and reports
 
@@ -1175,7 +1163,7 @@ class GradScaler(TorchPrivateNames):
         A host sync on the fused-optimizer path (it reads the inf flag handed to the kernel);
         free otherwise, since the decision already read it.
         """
-        outcome = self._last_outcome
+        outcome = self._iteration.outcomes.last
         return outcome is not None and outcome.skipped
 
     @property
@@ -1183,7 +1171,7 @@ class GradScaler(TorchPrivateNames):
         """Deprecated: :attr:`last_step_skipped` says whether the step was skipped, and
         :attr:`last_overflow` why (``None`` after a skip: a guard vetoed finite gradients)."""
         _deprecated("last_skip_reason", "scaler.last_step_skipped and scaler.last_overflow")
-        outcome = self._last_outcome
+        outcome = self._iteration.outcomes.last
         return None if outcome is None else outcome.reason
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -1214,7 +1202,7 @@ class GradScaler(TorchPrivateNames):
             ScalerUsageError: (a ``RuntimeError``) ``optimizer`` has not been stepped through
                 this scaler.
         """
-        outcome = self._outcomes.get(id(optimizer))
+        outcome = self._iteration.outcomes.of(optimizer)
         if outcome is None:
             raise ScalerUsageError(
                 f"step_skipped() was asked about an optimizer ({type(optimizer).__name__}) "
