@@ -54,8 +54,7 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
     >>> from ampscaler.distributed import RankAgreement
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     >>> agreement = RankAgreement(dist.group.WORLD)
-    >>> agreed = agreement.launch(torch.tensor(1.0))   # starts the all_reduce
-    >>> agreement.settle()                             # waits for it
+    >>> agreed = agreement.max_over_ranks(torch.tensor(1.0))   # one all_reduce, waited for
     >>> agreed.item(), agreement.origins((torch.tensor(1.0), None)).gradient_ranks
     (1.0, (0,))
     >>> dist.destroy_process_group()
@@ -168,7 +167,7 @@ class Agreement(Protocol):
         sync). Where the agreement learned where a skip's trouble came from, it sets
         ``record.origin``."""
 
-    def before_kernel(self, record: OptimizerRecord) -> None:
+    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
         """A fused optimizer's kernel is about to take ``record.found_inf``: make it final."""
 
     def flags(
@@ -330,12 +329,12 @@ def _distinct_groups(spec: object) -> tuple[dist.ProcessGroup, ...]:
 class RankAgreement:
     """Makes the ranks of ``groups`` agree on each step's inf/NaN verdict.
 
-    ``agree`` starts the max-reduction of one optimizer's verdict (module docstring) and returns
-    the tensor that will hold the agreed flag; ``settle`` waits for every reduction launched so
-    far (with NCCL the wait is a stream dependency, not a host sync) and skips, on the device,
-    every step whose fingerprints differed. ``decide`` (non-fused steps), ``check_settings``
-    (after differing fingerprints) and ``origins`` (on skipped steps) read from the device: host
-    syncs.
+    ``agree`` starts the max-reduction of one optimizer's verdict (module docstring), kept in
+    the iteration (``Iteration.launched``: per-step state lives there) until the first read of
+    a verdict waits for every reduction of the iteration (with NCCL the wait is a stream
+    dependency, not a host sync) and skips, on the device, every step whose fingerprints
+    differed. ``decide`` (non-fused steps), ``check_settings`` (after differing fingerprints)
+    and ``origins`` (on skipped steps) read from the device: host syncs.
 
     Args:
         groups: one process group, or several (see the module docstring).
@@ -352,10 +351,7 @@ class RankAgreement:
     def __init__(self, groups: GroupSpec, refuse_unchecked: bool = True) -> None:
         self._groups = _distinct_groups(groups)
         self._refuse_unchecked = refuse_unchecked
-        self._pending: list[dist.Work] = []
         self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
-        # Launched, not yet settled: each verdict, and its agreed inf flag (a view of it).
-        self._verdicts: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Copies, on their way to the host, of verdicts settled since the last check that no
         # decide() read (fused steps): their fingerprints are compared at the next agree().
         self._landing: list[HostCopy] = []
@@ -459,7 +455,8 @@ class RankAgreement:
         Sets ``record.local_found_inf`` (``found_inf`` as given), ``record.found_inf`` and
         ``iteration.loss_nonfinite`` (0-dim views of one verdict), which hold the agreed values
         once the reductions are waited for (by :meth:`decide`, :meth:`before_kernel` or
-        :meth:`flags`, whichever reads them first). The verdict carries a fingerprint of
+        :meth:`flags`, whichever reads them first); the reduction is kept in
+        ``iteration.launched`` until then. The verdict carries a fingerprint of
         ``settings()`` (the configuration and the live state) and of the checkpoint loads, so
         that ranks that differ are found in this reduction (module docstring). First, if an
         earlier verdict found differing fingerprints that no ``decide()`` has read yet, waits
@@ -480,9 +477,8 @@ class RankAgreement:
         if loss.dim():
             loss = loss.reshape(())
         verdict = torch.stack([loss, held, flag, fingerprint, negated])
-        self._reduce_max(verdict)
         agreed = verdict[_FLAG]
-        self._verdicts.append((verdict, agreed))
+        iteration.launched.append((self._reduce_max(verdict), verdict, agreed))
         record.local_found_inf, record.found_inf = found_inf, agreed
         iteration.loss_nonfinite = verdict[_LOSS]
 
@@ -513,7 +509,7 @@ class RankAgreement:
         agreed = record.found_inf
         assert agreed is not None, "agree() set the verdict"
         mine = _verdict_of(agreed)
-        for settled, flag in self._settle():  # this one is read here; others' kernels take theirs
+        for settled, flag in self._wait(iteration):  # read here; others' kernels take theirs
             if settled is not mine:
                 self._fold(settled, flag)
         verdict: list[float]
@@ -538,12 +534,12 @@ class RankAgreement:
             record.origin = SkipOrigin(cause, origins.gradient_ranks)
         return True
 
-    def before_kernel(self, record: OptimizerRecord) -> None:
-        """Wait for the verdicts (the kernel must see the agreed flag); an optimizer none of
-        whose gradients any rank held gets no flag (refused at ``update()``, as in torch),
-        unless ``refuse_unchecked`` is ``False``. A host sync only on a rank that held none of
-        its gradients itself."""
-        self.settle()
+    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
+        """Wait for the iteration's verdicts (the kernel must see the agreed flag); an
+        optimizer none of whose gradients any rank held gets no flag (refused at ``update()``,
+        as in torch), unless ``refuse_unchecked`` is ``False``. A host sync only on a rank that
+        held none of its gradients itself."""
+        self._settle(iteration)
         agreed = record.found_inf
         if record.local_found_inf is None and agreed is not None and self._unchecked(agreed):
             record.found_inf = None
@@ -552,17 +548,18 @@ class RankAgreement:
         self, iteration: Iteration
     ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
         """The iteration's agreed flags, once every reduction has been waited for."""
-        self.settle()
+        self._settle(iteration)
         return iteration.checked_flags()
 
     def refuse_alone(self, reason: str) -> None:
         """The ranks decide together: nothing to refuse."""
 
     def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """``value`` max-reduced over the groups (one all_reduce per group; with gloo the host
-        waits)."""
-        agreed = self.launch(value)
-        self.settle()
+        """``value`` max-reduced over the groups (one all_reduce per group, waited for: with
+        NCCL a stream dependency, with gloo the host waits); ``value`` itself is left
+        unchanged."""
+        agreed = value.clone()
+        self._reduce_max(agreed).wait()
         return agreed
 
     def moved(self) -> None:
@@ -581,27 +578,18 @@ class RankAgreement:
         self._loads += 1
         self._compared = None  # the settings, and maybe the state tensors, are new
 
-    def launch(self, local_flag: torch.Tensor) -> torch.Tensor:
-        """Start max-reducing ``local_flag`` (0-dim float) over the groups; return the result
-        tensor.
-
-        ``local_flag`` itself is left unchanged. The returned tensor holds the agreed flag once
-        :meth:`settle` has returned. With several groups, the reductions before the last are
-        waited for in order (with NCCL a stream dependency). No host sync with NCCL.
-        """
-        agreed = local_flag.clone()
-        self._reduce_max(agreed)
-        return agreed
-
-    def _reduce_max(self, tensor: torch.Tensor) -> None:
-        """Start max-reducing ``tensor`` in place over the groups (the last reduction is
-        waited for by :meth:`settle`)."""
+    def _reduce_max(self, tensor: torch.Tensor) -> dist.Work:
+        """Start max-reducing ``tensor`` in place over the groups; the last reduction's work,
+        to wait for (with several groups, the reductions before the last are waited for in
+        order: with NCCL a stream dependency). No host sync with NCCL."""
         *first, last = self._groups
         for group in first:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=last, async_op=True)
+        work: dist.Work | None = dist.all_reduce(
+            tensor, op=dist.ReduceOp.MAX, group=last, async_op=True
+        )
         assert work is not None
-        self._pending.append(work)
+        return work
 
     def sum_(self, values: torch.Tensor) -> int:
         """Sum ``values`` in place over the groups, one after the other (for groups forming a
@@ -612,23 +600,23 @@ class RankAgreement:
             ranks *= dist.get_world_size(group)
         return ranks
 
-    def settle(self) -> None:
-        """Wait for every reduction launched so far; a verdict whose fingerprints differed
-        skips its step (its flag set on the device) and is kept for the check.
+    def _settle(self, iteration: Iteration) -> None:
+        """Wait for every reduction launched in ``iteration``; a verdict whose fingerprints
+        differed skips its step (its flag set on the device) and is kept for the check.
 
         With gloo (CPU) this blocks the host until the reductions are done; with NCCL it only
         makes the current stream wait for them. No host sync.
         """
-        for verdict, agreed in self._settle():
+        for verdict, agreed in self._wait(iteration):
             self._fold(verdict, agreed)
 
-    def _settle(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Wait for every reduction launched so far; the verdicts that settled."""
-        for work in self._pending:
+    def _wait(self, iteration: Iteration) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait for every reduction launched in ``iteration``; the verdicts that settled, with
+        their agreed flags."""
+        launched, iteration.launched = iteration.launched, []
+        for work, _, _ in launched:
             work.wait()
-        self._pending.clear()
-        settled, self._verdicts = self._verdicts, []
-        return settled
+        return [(verdict, agreed) for _, verdict, agreed in launched]
 
     def _fold(self, verdict: torch.Tensor, agreed: torch.Tensor) -> None:
         """A verdict nobody reads now (its kernel takes the flag ``agreed``): if its
@@ -712,7 +700,7 @@ class RankAgreement:
     def __deepcopy__(self, memo: dict[int, Any]) -> RankAgreement:
         # Process groups cannot be copied: a copied scaler agrees over the same groups.
         twin = RankAgreement.__new__(RankAgreement)
-        twin.__dict__.update(self.__dict__, _pending=[], _verdicts=[], _landing=[], _compared=None)
+        twin.__dict__.update(self.__dict__, _landing=[], _compared=None)
         return twin
 
     def __getstate__(self) -> dict[str, Any]:

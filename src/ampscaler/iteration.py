@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, NoReturn
 
@@ -38,7 +37,6 @@ __all__ = [
     "SkipOrigin",
     "SkipReason",
     "StepOutcome",
-    "StepOutcomes",
 ]
 
 SkipReason = Literal["nonfinite", "spike"]
@@ -129,53 +127,6 @@ class StepOutcome:
         return StepOutcome(reason == "nonfinite", reason == "spike")
 
 
-class StepOutcomes:
-    """The outcome of the latest ``step()``, and of each optimizer's latest: what
-    ``last_step_skipped`` and ``step_skipped(optimizer)`` answer, valid across ``update()``
-    until the next step. Each iteration hands it to the next one.
-
-    An optimizer's entry goes with the optimizer (not kept alive here, and before its ``id``
-    can be reused); a copy of it (pickle, ``copy.deepcopy``) keeps the latest outcome only, as
-    Python values.
-
-    Example:
-        >>> outcomes = StepOutcomes()
-        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        >>> outcomes.add(opt, StepOutcome(False))
-        >>> outcomes.of(opt).skipped, outcomes.last.skipped, len(outcomes)
-        (False, False, 1)
-    """
-
-    def __init__(self) -> None:
-        self.last: StepOutcome | None = None
-        # By the optimizer's id (a weak-keyed dict would make a weak reference at every step).
-        self._by_id: dict[int, StepOutcome] = {}
-
-    def add(self, optimizer: torch.optim.Optimizer, outcome: StepOutcome) -> None:
-        """``optimizer`` stepped with ``outcome``: the latest step's."""
-        self.last = outcome
-        key = id(optimizer)
-        if key not in self._by_id:  # dropped when the optimizer is, before its id is reused
-            weakref.finalize(optimizer, self._by_id.pop, key, None)
-        self._by_id[key] = outcome
-
-    def of(self, optimizer: torch.optim.Optimizer) -> StepOutcome | None:
-        """``optimizer``'s latest outcome (``None``: it has not stepped)."""
-        return self._by_id.get(id(optimizer))
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def __getstate__(self) -> dict[str, object]:
-        # Which optimizers skipped belongs to this object (their ids mean nothing in a copy).
-        last = self.last
-        return {"last": None if last is None else last.settled()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.last = state["last"]
-        self._by_id = {}
-
-
 @dataclass
 class OptimizerRecord:
     """What one optimizer did in the iteration."""
@@ -239,8 +190,8 @@ class Iteration:
             ``update(new_scale)``).
         notes: what hooks derived from the iteration, by hook (an overflow report, a trace):
             kept with it, dropped with it.
-        outcomes: the latest step outcomes, handed on from iteration to iteration
-            (:class:`StepOutcomes`).
+        launched: the rank agreement's reductions of this iteration not yet waited for, as
+            ``(work, verdict, agreed flag)`` (:class:`~ampscaler.distributed.RankAgreement`).
     """
 
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
@@ -257,11 +208,7 @@ class Iteration:
     measured: torch.Tensor | None = None
     by_policy: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
-    outcomes: StepOutcomes = field(default_factory=StepOutcomes)
-
-    def next(self) -> Iteration:
-        """The iteration that follows this one (the step outcomes go on)."""
-        return Iteration(outcomes=self.outcomes)
+    launched: list[Any] = field(default_factory=list)
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
@@ -339,8 +286,10 @@ class Iteration:
     def __getstate__(self) -> dict[str, object]:
         # A copy (copy.deepcopy, pickle) taken after scale() carries the losses detached: a
         # loss that is not a graph leaf refuses deepcopy, and a copy holds no autograd graph.
+        # Reductions in flight belong to this object (a copy agrees anew).
         state = self.__dict__.copy()
         state["losses"] = [loss.detach() for loss in self.losses]
+        state["launched"] = []
         return state
 
     def let_go_of_losses(self, clean: bool) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -204,7 +205,7 @@ class OneRank:
         skip = found_inf if spike is None else torch.maximum(found_inf, spike)
         return bool(skip.item())
 
-    def before_kernel(self, record: OptimizerRecord) -> None:
+    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
         """The check's flag is final."""
 
     def flags(
@@ -623,7 +624,7 @@ class GradScaler(TorchPrivateNames):
             exact = one_pass and self._state.exact_reciprocal
             multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
             self._check(groups, record, live, multiplier)
-        self._agreement.before_kernel(record)
+        self._agreement.before_kernel(record, self._iteration)
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=live.device)
@@ -640,8 +641,12 @@ class GradScaler(TorchPrivateNames):
         live: LiveState,
     ) -> None:
         record.stage = OptState.STEPPED
-        record.outcome = StepOutcome(found_inf, spike)
-        self._iteration.outcomes.add(record.optimizer, record.outcome)
+        outcome = record.outcome = StepOutcome(found_inf, spike)
+        outcomes, key = self._state.outcomes, id(record.optimizer)
+        outcomes.last = outcome
+        if key not in outcomes:  # dropped when the optimizer is, before its id is reused
+            weakref.finalize(record.optimizer, outcomes.pop, key, None)
+        outcomes[key] = outcome
         for hook in self._hooks.after_step:
             hook.after_step(self._iteration, record, live)
 
@@ -727,7 +732,7 @@ class GradScaler(TorchPrivateNames):
             hook.before_update(iteration, live)
         old_scale = self._state.set_scale(value, found_inf, spiked)
         if found_inf is None:  # nothing stepped: nothing to count
-            self._iteration = iteration.next()
+            self._iteration = Iteration()
             return
         self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
         if self._max_consecutive_skips is not None:
@@ -757,7 +762,7 @@ class GradScaler(TorchPrivateNames):
             iteration.let_go_of_losses(clean=overflowed is False)
         iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
         iteration.new_scale = live.scale
-        self._finished, self._iteration = iteration, iteration.next()
+        self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
             self._bf16.stop()
         hooks = self._hooks
@@ -1163,7 +1168,7 @@ class GradScaler(TorchPrivateNames):
         A host sync on the fused-optimizer path (it reads the inf flag handed to the kernel);
         free otherwise, since the decision already read it.
         """
-        outcome = self._iteration.outcomes.last
+        outcome = self._state.outcomes.last
         return outcome is not None and outcome.skipped
 
     @property
@@ -1171,7 +1176,7 @@ class GradScaler(TorchPrivateNames):
         """Deprecated: :attr:`last_step_skipped` says whether the step was skipped, and
         :attr:`last_overflow` why (``None`` after a skip: a guard vetoed finite gradients)."""
         _deprecated("last_skip_reason", "scaler.last_step_skipped and scaler.last_overflow")
-        outcome = self._iteration.outcomes.last
+        outcome = self._state.outcomes.last
         return None if outcome is None else outcome.reason
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -1202,7 +1207,7 @@ class GradScaler(TorchPrivateNames):
             ScalerUsageError: (a ``RuntimeError``) ``optimizer`` has not been stepped through
                 this scaler.
         """
-        outcome = self._iteration.outcomes.of(optimizer)
+        outcome = self._state.outcomes.of(optimizer)
         if outcome is None:
             raise ScalerUsageError(
                 f"step_skipped() was asked about an optimizer ({type(optimizer).__name__}) "

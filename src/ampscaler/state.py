@@ -40,10 +40,19 @@ import torch
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
 from .hostcopy import read_values
+from .iteration import StepOutcome
 from .policy import LOWEST_SCALE, Policy, PolicyState, adjusted, float32_value
 from .policy.derived import comparable, power_of_two, with_rule
 
-__all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
+__all__ = [
+    "FOLD_EVERY",
+    "HostState",
+    "LiveState",
+    "ScalerState",
+    "ScalerStats",
+    "StepCounters",
+    "StepOutcomes",
+]
 
 #: Iterations kept before they are folded into the counters, at the latest.
 FOLD_EVERY = 256
@@ -241,6 +250,42 @@ def _stacked(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([flag.to(device) for flag in flags])
 
 
+class StepOutcomes(dict[int, StepOutcome]):
+    """The outcome of the latest ``step()`` (:attr:`last`), and of each optimizer's latest, by
+    the optimizer's ``id``: what ``last_step_skipped`` and ``step_skipped(optimizer)`` answer,
+    valid across ``update()`` until the next step; what persists of the steps beside the
+    counters. The scaler's ``step()`` writes it (a dict: no call into this module per step),
+    and drops an optimizer's entry with the optimizer (not kept alive, and gone before its
+    ``id`` can be reused: a weak-keyed dict would make a weak reference at every step). A copy
+    (pickle, ``copy.deepcopy``) keeps the latest outcome only, as Python values.
+
+    Example:
+        >>> outcomes = StepOutcomes()
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> outcomes[id(opt)] = outcomes.last = StepOutcome(False)
+        >>> outcomes.of(opt).skipped, outcomes.last.skipped, len(outcomes)
+        (False, False, 1)
+    """
+
+    last: StepOutcome | None = None
+
+    def of(self, optimizer: torch.optim.Optimizer) -> StepOutcome | None:
+        """``optimizer``'s latest outcome (``None``: it has not stepped)."""
+        return self.get(id(optimizer))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Which optimizers skipped belongs to this object (their ids mean nothing in a copy).
+        last = self.last
+        return (_outcomes_from, (None if last is None else last.settled(),))
+
+
+def _outcomes_from(last: StepOutcome | None) -> StepOutcomes:
+    """A copy's :class:`StepOutcomes`: the latest outcome only."""
+    outcomes = StepOutcomes()
+    outcomes.last = last
+    return outcomes
+
+
 @dataclass(frozen=True)
 class HostState:
     """The state as Python values: what a scaler holds before its first ``scale()``, and what
@@ -332,6 +377,9 @@ class ScalerState:
     Args:
         policy: the policy whose state it holds.
         scale: the starting scale (validated by the caller).
+
+    Attributes:
+        outcomes: the latest step outcomes (:class:`StepOutcomes`).
     """
 
     def __init__(self, policy: Policy, scale: float) -> None:
@@ -339,6 +387,7 @@ class ScalerState:
         self._holds = policy.holds_on_nonfinite_loss  # asked once per policy, not per update
         self._host: HostState = HostState(scale)
         self._live: LiveState | None = None
+        self.outcomes = StepOutcomes()
         # Until scale() uses it, the scale is reported as given (not rounded to float32), as
         # torch's get_scale() and state_dict() do before the first scale().
         self._used = False
@@ -669,10 +718,16 @@ class ScalerState:
     def __getstate__(self) -> dict[str, Any]:
         # Copies hold the values on the host; the device state is made again at the next
         # scale(). A pending update is applied first (snapshot() settles).
-        return {"policy": self._policy, "host": self.snapshot(), "watch": self._watch is not None}
+        return {
+            "policy": self._policy,
+            "host": self.snapshot(),
+            "watch": self._watch is not None,
+            "outcomes": self.outcomes,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["policy"], state["host"].scale)  # type: ignore[misc]
         self._host = state["host"]
+        self.outcomes = state["outcomes"]
         if state["watch"]:
             self.watch_powers_of_two()
