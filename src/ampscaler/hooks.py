@@ -257,11 +257,6 @@ class HookList:
         """The first hook that is a ``kind``, or ``None``."""
         return next((hook for hook in self._hooks if isinstance(hook, kind)), None)
 
-    def the(self, kind: type[Any], make: Callable[[], Hook]) -> Any:
-        """The first hook that is a ``kind``, added (``make()``) if there is none."""
-        found = self.find(kind)
-        return self.add(make()) if found is None else found
-
     def run_periodic(self, iteration: Iteration, live: LiveState) -> None:
         """Call the periodic hooks that are due (:attr:`due_in` has counted down to 0), and
         set :attr:`due_in` to the next one."""

@@ -189,11 +189,6 @@ class StepCounters:
         return self.values[0]
 
     @property
-    def skipped(self) -> torch.Tensor:
-        """Iterations skipped for inf/NaN so far, a 0-dim int64 tensor (no sync)."""
-        return self.values[1]
-
-    @property
     def consecutive_skips(self) -> torch.Tensor:
         """Skipped iterations in a row up to the latest, a 0-dim int64 tensor (no sync)."""
         return self.values[4]
