@@ -130,6 +130,8 @@ class Agreement(Protocol):
             own verdict must be the same on every rank (a guard's reduction).
         local_shards: whether gradients are checked through this rank's local shards
             (``DTensor``), the agreement making the verdict whole.
+        flags_losses: whether ``scale()`` keeps each loss's inf/NaN flag as the losses come
+            (two or three small device ops), for the agreement to agree on at the check.
     """
 
     @property
@@ -138,9 +140,8 @@ class Agreement(Protocol):
     @property
     def local_shards(self) -> bool: ...
 
-    def keep_loss(self, iteration: Iteration, loss: torch.Tensor) -> None:
-        """``scale()`` was given ``loss``: keep it in ``iteration`` (with its inf/NaN flag
-        where the ranks agree on it at the check)."""
+    @property
+    def flags_losses(self) -> bool: ...
 
     def agree(
         self,
@@ -429,16 +430,13 @@ class RankAgreement:
 
     #: Gradients are checked through this rank's local shards; the verdict makes them whole.
     local_shards = True
+    #: The losses' inf/NaN flag is agreed at the check (the skip's cause, alike on every rank).
+    flags_losses = True
 
     @property
     def ranks(self) -> RankAgreement:
         """This agreement (:class:`Agreement`)."""
         return self
-
-    def keep_loss(self, iteration: Iteration, loss: torch.Tensor) -> None:
-        """Keep ``loss`` with its inf/NaN flag, agreed at the check (two or three small device
-        ops; no host sync)."""
-        iteration.keep_loss(loss, flag=True)
 
     def agree(
         self,

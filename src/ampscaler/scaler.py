@@ -161,13 +161,10 @@ class OneRank:
 
     ranks: RankAgreement | None = None
     local_shards = False
+    flags_losses = False
 
     def __init__(self, look_for_world: bool = False) -> None:
         self._look_for_world = look_for_world
-
-    def keep_loss(self, iteration: Iteration, loss: torch.Tensor) -> None:
-        """Keep ``loss`` (no device work)."""
-        iteration.keep_loss(loss)
 
     def agree(
         self,
@@ -425,7 +422,7 @@ class GradScaler(TorchPrivateNames):
         # let_go_of_losses); a compiled step keeps it detached: one path for every step.
         kept = loss.detach() if compiling else loss
         iteration = self._iteration
-        self._agreement.keep_loss(iteration, kept)
+        iteration.keep_loss(kept, flag=self._agreement.flags_losses)
         if not compiling:  # a Python count read under torch.compile would be guarded on
             for hook in self._hooks.at_scale:
                 hook.at_scale(iteration)
