@@ -133,17 +133,19 @@ class StepCounters:
         found_inf: torch.Tensor,
         old_scale: torch.Tensor,
         spiked: torch.Tensor | None = None,
+        compiling: bool | None = None,
     ) -> None:
         """Count one iteration: it overflowed iff ``found_inf > 0``; a guard skipped it iff
         ``spiked > 0`` (``None``: no guard); it started at ``old_scale`` (a copy nobody
         modifies) and ended at the live scale's value now. A NaN ``found_inf`` stands for no
         iteration and is not counted.
 
-        Eagerly the iteration is kept for a later fold; under ``torch.compile`` it is counted
-        at once, in place, so the compiled graph holds no growing list (and its guards never
-        change with the step number).
+        Eagerly the iteration is kept for a later fold; under ``torch.compile`` (``compiling``,
+        where the caller knows it; asked otherwise) it is counted at once, in place, so the
+        compiled graph holds no growing list (and its guards never change with the step
+        number).
         """
-        if torch.compiler.is_compiling():
+        if compiling or (compiling is None and torch.compiler.is_compiling()):
             self.count_now(found_inf, old_scale, spiked)
         else:
             self.keep(found_inf, old_scale, spiked)
@@ -542,10 +544,7 @@ class ScalerState:
         else:
             self._update_unless(flag, live, found_inf, measured)
         live.scale.clamp_min_(live.floor)  # the floor
-        if compiling or (compiling is None and torch.compiler.is_compiling()):
-            live.counters.count_now(found_inf, old, spiked)
-        else:
-            live.counters.keep(found_inf, old, spiked)
+        live.counters.record(found_inf, old, spiked, compiling)
         if self._watch is not None:
             self._watch.updated(live.scale)
         return old
