@@ -74,3 +74,28 @@ def test_attach_and_detach_take_hooks_and_guards() -> None:
         scaler.detach(guard)
     with pytest.raises(TypeError, match="add_sink"):
         scaler.attach(object())  # type: ignore[type-var]
+
+
+def test_add_sink_and_remove_sink_warn_and_still_attach_and_detach() -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=256.0)
+    with pytest.warns(DeprecationWarning, match=r"add_sink.*scaler\.attach\(sink\)"):
+        history = scaler.add_sink(ampscaler.StepHistory(10))
+    _skipped_iteration(scaler)
+    assert len(history.records) == 1
+    with pytest.warns(DeprecationWarning, match=r"remove_sink.*scaler\.detach\(sink\)"):
+        scaler.remove_sink(history)
+    _skipped_iteration(scaler)
+    assert len(history.records) == 1
+    with pytest.raises(TypeError, match="write"), pytest.warns(DeprecationWarning):
+        scaler.add_sink(object())  # type: ignore[type-var]
+
+
+def test_attach_and_detach_take_sinks() -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=256.0)
+    history = scaler.attach(ampscaler.StepHistory(10))
+    _skipped_iteration(scaler)
+    scaler.detach(history)
+    _skipped_iteration(scaler)
+    assert [record.skipped for record in history.records] == [True]
+    with pytest.raises(ValueError, match="not attached"):
+        scaler.detach(history)

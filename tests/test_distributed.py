@@ -213,9 +213,9 @@ def test_unscale_starts_the_reduction_and_step_waits_for_it(
     scaler.scale(model(torch.ones(2, 3)).sum()).backward()
     scaler.unscale_(opt)
     assert scaler._agreement is not None
-    assert len(scaler._agreement._pending) == 1
+    assert len(scaler._iteration.launched) == 1  # per-step state: kept by the iteration
     scaler.step(opt)
-    assert scaler._agreement._pending == []
+    assert scaler._iteration.launched == []
     scaler.update()
     assert scaler.metrics("")["steps"] == 1
 

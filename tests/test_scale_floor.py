@@ -177,23 +177,25 @@ def _clamps_in_update(scaler: ampscaler.GradScaler, loss_factor: float, fused: b
     return _clamps(scaler.update)
 
 
-def test_the_floor_clamp_runs_only_where_the_scale_could_reach_the_floor() -> None:
-    """The host follows a lower bound on the scale (Policy.lowest_after): far above the floor
-    an update runs no clamp; one backoff away from it, it does."""
+def test_the_floor_is_one_clamp_in_every_update() -> None:
+    """One plain rule (issue 36): every update holds the scale at 2**-126 with one clamp, the
+    same op wherever the scale is, with nothing followed on the host. (It replaced a lower
+    bound the host followed to skip the clamp far above the floor, and renewed from copies of
+    the scale where it never learned the outcome.)"""
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
-    assert _clamps_in_update(scaler, 1.0) == 0  # clean, far above the floor
-    assert _clamps_in_update(scaler, float("inf")) == 0  # one backoff: still far above
-    scaler.update(2.0**-125)  # the host knows the scale: one backoff from the floor
+    assert _clamps_in_update(scaler, 1.0) == 1  # clean, far above the floor
+    assert _clamps_in_update(scaler, float("inf")) == 1  # one backoff: still far above
+    scaler.update(2.0**-125)  # one backoff from the floor
     assert _clamps_in_update(scaler, float("inf")) == 1
     assert scaler.get_scale() == LOWEST_SCALE
 
 
-def test_a_write_to_the_scale_from_outside_the_scaler_is_not_trusted_to_the_bound() -> None:
-    """torch's private ``_scale`` written by hand (as some loops do): the bound the host held
-    is dropped (the tensor's version counter moved), so the backoffs still stop at the floor."""
+def test_a_write_to_the_scale_from_outside_the_scaler_still_stops_at_the_floor() -> None:
+    """torch's private ``_scale`` written by hand (as some loops do): the backoffs still stop
+    at the floor."""
     torch.manual_seed(0)
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
-    assert _clamps_in_update(scaler, 1.0) == 0
+    assert _clamps_in_update(scaler, 1.0) == 1
     scaler._scale.fill_(2.0**-125)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ampscaler.ScaleFloorWarning)  # said at the floor
@@ -223,13 +225,12 @@ def test_an_optimizer_unscaled_and_not_stepped_counts_for_the_bound() -> None:
         assert two_overflows(scaler) == LOWEST_SCALE
 
 
-def test_the_bound_is_renewed_where_the_host_never_learns_the_outcome() -> None:
-    """A fused optimizer's skip flag stays on the device, so the bound falls by a backoff at
-    every update; a copy of the scale taken on the way renews it, so that clean updates 150
-    and on (where the bound alone would be at the floor) still run no clamp."""
+def test_the_floor_costs_the_same_where_the_host_never_learns_the_outcome() -> None:
+    """A fused optimizer's skip flag stays on the device: the floor is still the one clamp per
+    update, at update 150 and on as at the first (nothing on the host runs low)."""
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
     clamps = [_clamps_in_update(scaler, 1.0, fused=True) for _ in range(160)]
-    assert clamps == [0] * 160
+    assert clamps == [1] * 160
 
 
 @dataclasses.dataclass(frozen=True)

@@ -335,7 +335,7 @@ def test_an_optimizer_gone_is_forgotten_and_never_mistaken_for_a_new_one() -> No
     del opt
     gc.collect()
     assert gone() is None
-    assert len(scaler._outcomes) == 1  # `other`'s only: the entry went with `opt`
+    assert len(scaler._state.outcomes) == 1  # `other`'s only: the entry went with `opt`
     assert not scaler.step_skipped(other)
     for _ in range(20):  # new optimizers of the same size: ids of freed ones come back
         fresh = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -54,8 +54,7 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
     >>> from ampscaler.distributed import RankAgreement
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     >>> agreement = RankAgreement(dist.group.WORLD)
-    >>> agreed = agreement.launch(torch.tensor(1.0))   # starts the all_reduce
-    >>> agreement.settle()                             # waits for it
+    >>> agreed = agreement.max_over_ranks(torch.tensor(1.0))   # one all_reduce, waited for
     >>> agreed.item(), agreement.origins((torch.tensor(1.0), None)).gradient_ranks
     (1.0, (0,))
     >>> dist.destroy_process_group()
@@ -65,16 +64,18 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .errors import InvalidConfigError, ScalerUsageError, warn_at_caller
 from .hostcopy import HostCopy, read_values
+from .iteration import Iteration, OptimizerRecord, SkipOrigin
 
 __all__ = [
     "NO_GROUP",
+    "Agreement",
     "GroupSpec",
     "Origins",
     "RankAgreement",
@@ -118,6 +119,78 @@ class Origins(NamedTuple):
     micro_batch: int | None = None
 
 
+class Agreement(Protocol):
+    """How a scaler reaches each optimizer's verdict: the one component it calls at the same
+    points of every iteration, whether the rank is alone (the scaler's own ``OneRank``, in
+    ``scaler.py``) or one of the ranks of process groups (:class:`RankAgreement`). The scaler
+    never asks which it holds.
+
+    Attributes:
+        ranks: the agreement over process groups (``None``: this rank alone), for a hook whose
+            own verdict must be the same on every rank (a guard's reduction).
+        local_shards: whether gradients are checked through this rank's local shards
+            (``DTensor``), the agreement making the verdict whole.
+        flags_losses: whether ``scale()`` keeps each loss's inf/NaN flag as the losses come
+            (two or three small device ops), for the agreement to agree on at the check.
+    """
+
+    @property
+    def ranks(self) -> RankAgreement | None: ...
+
+    @property
+    def local_shards(self) -> bool: ...
+
+    @property
+    def flags_losses(self) -> bool: ...
+
+    def agree(
+        self,
+        record: OptimizerRecord,
+        found_inf: torch.Tensor | None,
+        iteration: Iteration,
+        device: torch.device,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> None:
+        """``record.optimizer``'s gradients were checked (``found_inf``; ``None``: none on
+        this rank): set ``record.found_inf`` to the verdict (on the device, no host sync)."""
+
+    def read_early(self, record: OptimizerRecord) -> bool | None:
+        """At ``unscale_()`` of a plain optimizer: whether it overflowed, where reading it now
+        is the one host sync its step needs anyway (``None``: not read now)."""
+
+    def decide(
+        self,
+        record: OptimizerRecord,
+        iteration: Iteration,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> bool:
+        """A plain optimizer's step: whether it is skipped (inf/NaN or a guard's veto; a host
+        sync). Where the agreement learned where a skip's trouble came from, it sets
+        ``record.origin``."""
+
+    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
+        """A fused optimizer's kernel is about to take ``record.found_inf``: make it final."""
+
+    def flags(
+        self, iteration: Iteration
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
+        """At ``update()``: :meth:`Iteration.checked_flags
+        <ampscaler.iteration.Iteration.checked_flags>`, as agreed."""
+
+    def moved(self) -> None:
+        """The policy has just moved the state, eagerly, by the agreed flags."""
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded."""
+
+    def refuse_alone(self, reason: str) -> None:
+        """Raise :class:`~ampscaler.InvalidConfigError` if this rank decides alone among
+        several (:func:`refuse_alone`)."""
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value``, max-reduced over the ranks (a measurement every rank must act on)."""
+
+
 def refuse_alone(reason: str) -> None:
     """Refuse to go on when torch.distributed runs more than one rank and the scaler has no
     ``process_group`` to agree over: ``reason`` says what would diverge.
@@ -145,21 +218,23 @@ NO_GROUP: Any = _NoGroup()
 
 
 def agreement_for(
-    process_group: GroupSpec | None, refuse_unchecked: bool = True
-) -> tuple[RankAgreement | None, bool]:
-    """The agreement ``process_group=`` asks for (``None`` for none; ``refuse_unchecked``: see
-    :class:`RankAgreement`), and whether to look at the first step for the likely mistake of
-    an explicit ``None`` given before torch.distributed was initialized (see
-    :func:`warn_if_world_came_later`).
+    process_group: GroupSpec | None,
+    refuse_unchecked: bool,
+    alone: Callable[[bool], Agreement],
+) -> Agreement:
+    """The agreement ``process_group=`` asks for (``refuse_unchecked``: see
+    :class:`RankAgreement`); without a group, ``alone(look)``, where ``look`` says whether to
+    look at the first step for the likely mistake of an explicit ``None`` given before
+    torch.distributed was initialized (see :func:`warn_if_world_came_later`).
 
     Raises:
         InvalidConfigError: see :class:`RankAgreement`.
     """
     if process_group is NO_GROUP:
-        return None, False
+        return alone(False)
     if process_group is None:
-        return None, dist.is_available() and not dist.is_initialized()
-    return RankAgreement(process_group, refuse_unchecked), False
+        return alone(dist.is_available() and not dist.is_initialized())
+    return RankAgreement(process_group, refuse_unchecked)
 
 
 def warn_if_world_came_later() -> None:
@@ -255,12 +330,12 @@ def _distinct_groups(spec: object) -> tuple[dist.ProcessGroup, ...]:
 class RankAgreement:
     """Makes the ranks of ``groups`` agree on each step's inf/NaN verdict.
 
-    ``agree`` starts the max-reduction of one optimizer's verdict (module docstring) and returns
-    the tensor that will hold the agreed flag; ``settle`` waits for every reduction launched so
-    far (with NCCL the wait is a stream dependency, not a host sync) and skips, on the device,
-    every step whose fingerprints differed. ``decide`` (non-fused steps), ``check_settings``
-    (after differing fingerprints) and ``origins`` (on skipped steps) read from the device: host
-    syncs.
+    ``agree`` starts the max-reduction of one optimizer's verdict (module docstring), kept in
+    the iteration (``Iteration.launched``: per-step state lives there) until the first read of
+    a verdict waits for every reduction of the iteration (with NCCL the wait is a stream
+    dependency, not a host sync) and skips, on the device, every step whose fingerprints
+    differed. ``decide`` (non-fused steps), ``check_settings`` (after differing fingerprints)
+    and ``origins`` (on skipped steps) read from the device: host syncs.
 
     Args:
         groups: one process group, or several (see the module docstring).
@@ -277,10 +352,7 @@ class RankAgreement:
     def __init__(self, groups: GroupSpec, refuse_unchecked: bool = True) -> None:
         self._groups = _distinct_groups(groups)
         self._refuse_unchecked = refuse_unchecked
-        self._pending: list[dist.Work] = []
         self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
-        # Launched, not yet settled: each verdict, and its agreed inf flag (a view of it).
-        self._verdicts: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Copies, on their way to the host, of verdicts settled since the last check that no
         # decide() read (fused steps): their fingerprints are compared at the next agree().
         self._landing: list[HostCopy] = []
@@ -354,20 +426,35 @@ class RankAgreement:
             parts.append(f"{shown} on {label} {', '.join(map(str, ranks))}")
         return f"{name} is {', '.join(parts)}"
 
+    # ------------------------------------------------------------------ the Agreement protocol
+
+    #: Gradients are checked through this rank's local shards; the verdict makes them whole.
+    local_shards = True
+    #: The losses' inf/NaN flag is agreed at the check (the skip's cause, alike on every rank).
+    flags_losses = True
+
+    @property
+    def ranks(self) -> RankAgreement:
+        """This agreement (:class:`Agreement`)."""
+        return self
+
     def agree(
         self,
+        record: OptimizerRecord,
         found_inf: torch.Tensor | None,
-        loss_nonfinite: torch.Tensor | None,
+        iteration: Iteration,
         device: torch.device,
         settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> None:
         """Start agreeing on one optimizer's inf flag from the check (``None``: this rank held
         none of its gradients, and takes part with a clean flag) and on the iteration's loss
         flag (``None``: no loss kept; a clean flag).
 
-        Returns ``(local, agreed)``: ``found_inf`` as given, and the groups' two verdicts,
-        ``(found_inf, loss_nonfinite)`` (0-dim views of one tensor), which hold the agreed
-        values once :meth:`settle` has returned. The verdict carries a fingerprint of
+        Sets ``record.local_found_inf`` (``found_inf`` as given), ``record.found_inf`` and
+        ``iteration.loss_nonfinite`` (0-dim views of one verdict), which hold the agreed values
+        once the reductions are waited for (by :meth:`decide`, :meth:`before_kernel` or
+        :meth:`flags`, whichever reads them first); the reduction is kept in
+        ``iteration.launched`` until then. The verdict carries a fingerprint of
         ``settings()`` (the configuration and the live state) and of the checkpoint loads, so
         that ranks that differ are found in this reduction (module docstring). First, if an
         earlier verdict found differing fingerprints that no ``decide()`` has read yet, waits
@@ -381,18 +468,99 @@ class RankAgreement:
             self._compared = _Compared(settings(), self._loads)
         no, yes = self._compared.constants(device)
         flag = no if found_inf is None else found_inf.to(torch.float32)
-        loss = no if loss_nonfinite is None else loss_nonfinite.to(device, torch.float32)
+        local_loss = iteration.local_loss_flag
+        loss = no if local_loss is None else local_loss.to(device, torch.float32)
         held = no if found_inf is None else yes
         fingerprint, negated = self._compared.fingerprint(device)
         if loss.dim():
             loss = loss.reshape(())
         verdict = torch.stack([loss, held, flag, fingerprint, negated])
-        self._reduce_max(verdict)
         agreed = verdict[_FLAG]
-        self._verdicts.append((verdict, agreed))
-        return found_inf, (agreed, verdict[_LOSS])
+        iteration.launched.append((self._reduce_max(verdict), verdict, agreed))
+        record.local_found_inf, record.found_inf = found_inf, agreed
+        iteration.loss_nonfinite = verdict[_LOSS]
 
-    def note_update(self) -> None:
+    def read_early(self, record: OptimizerRecord) -> None:
+        """Nothing is read at ``unscale_()``: the flag is agreed, and read, in ``step()``."""
+        return None
+
+    def decide(
+        self,
+        record: OptimizerRecord,
+        iteration: Iteration,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> bool:
+        """Wait for the groups' verdict on a non-fused optimizer and read it (one host sync):
+        whether every rank skips (for the agreed inf/NaN flag, or a guard's ``record.spike``),
+        and then where the trouble came from (``record.origin``, from :meth:`origins` of this
+        rank's flags and micro-batch, a collective every rank makes, as all of them skip
+        together).
+        ``settings()`` is what the ranks compare where the fingerprints differed (as for
+        :meth:`agree`).
+
+        Raises:
+            InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
+                gather naming the differences).
+            ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
+                without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
+        """
+        agreed = record.found_inf
+        assert agreed is not None, "agree() set the verdict"
+        mine = _verdict_of(agreed)
+        for settled, flag in self._wait(iteration):  # read here; others' kernels take theirs
+            if settled is not mine:
+                self._fold(settled, flag)
+        verdict: list[float]
+        if record.spike is None:  # the verdict says it all: one read
+            verdict = mine.tolist()
+            skipped = verdict[_FLAG]
+        else:
+            verdict, skipped = read_values([mine, torch.maximum(agreed, record.spike)])
+        earlier = self._landed_differ()  # fused verdicts settled since the last check
+        if _differ(verdict) or earlier:
+            self._stop(settings)
+        if self._refuse_unchecked and verdict[_HELD] <= 0:
+            raise ScalerUsageError(NO_GRADIENTS)
+        if not skipped:
+            return False
+        local_flags = (record.local_found_inf, iteration.local_loss_flag)
+        origins = self.origins(local_flags, iteration.first_nonfinite_loss())
+        if verdict[_LOSS] > 0:  # the agreed loss flag
+            record.origin = SkipOrigin("loss", origins.loss_ranks, origins.micro_batch)
+        else:
+            cause = "gradients" if iteration.losses else None
+            record.origin = SkipOrigin(cause, origins.gradient_ranks)
+        return True
+
+    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
+        """Wait for the iteration's verdicts (the kernel must see the agreed flag); an
+        optimizer none of whose gradients any rank held gets no flag (refused at ``update()``,
+        as in torch), unless ``refuse_unchecked`` is ``False``. A host sync only on a rank that
+        held none of its gradients itself."""
+        self._settle(iteration)
+        agreed = record.found_inf
+        if record.local_found_inf is None and agreed is not None and self._unchecked(agreed):
+            record.found_inf = None
+
+    def flags(
+        self, iteration: Iteration
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
+        """The iteration's agreed flags, once every reduction has been waited for."""
+        self._settle(iteration)
+        return iteration.checked_flags()
+
+    def refuse_alone(self, reason: str) -> None:
+        """The ranks decide together: nothing to refuse."""
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` max-reduced over the groups (one all_reduce per group, waited for: with
+        NCCL a stream dependency, with gloo the host waits); ``value`` itself is left
+        unchanged."""
+        agreed = value.clone()
+        self._reduce_max(agreed).wait()
+        return agreed
+
+    def moved(self) -> None:
         """The scaler's policy has just moved the state, eagerly, by the transition every rank
         applies to the same state with the same agreed flags: the ranks that held the same
         state still do, so the next verdict sends the last fingerprint again instead of hashing
@@ -401,34 +569,25 @@ class RankAgreement:
         if self._compared is not None:
             self._compared.note_transition()
 
-    def note_load(self) -> None:
+    def loaded(self) -> None:
         """A checkpoint was loaded on this rank: the ranks compare what they hold at the next
         verdict (the count is part of the fingerprint, so a rank that loaded while the others
         did not is found even when it loaded what they hold)."""
         self._loads += 1
         self._compared = None  # the settings, and maybe the state tensors, are new
 
-    def launch(self, local_flag: torch.Tensor) -> torch.Tensor:
-        """Start max-reducing ``local_flag`` (0-dim float) over the groups; return the result
-        tensor.
-
-        ``local_flag`` itself is left unchanged. The returned tensor holds the agreed flag once
-        :meth:`settle` has returned. With several groups, the reductions before the last are
-        waited for in order (with NCCL a stream dependency). No host sync with NCCL.
-        """
-        agreed = local_flag.clone()
-        self._reduce_max(agreed)
-        return agreed
-
-    def _reduce_max(self, tensor: torch.Tensor) -> None:
-        """Start max-reducing ``tensor`` in place over the groups (the last reduction is
-        waited for by :meth:`settle`)."""
+    def _reduce_max(self, tensor: torch.Tensor) -> dist.Work:
+        """Start max-reducing ``tensor`` in place over the groups; the last reduction's work,
+        to wait for (with several groups, the reductions before the last are waited for in
+        order: with NCCL a stream dependency). No host sync with NCCL."""
         *first, last = self._groups
         for group in first:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=last, async_op=True)
+        work: dist.Work | None = dist.all_reduce(
+            tensor, op=dist.ReduceOp.MAX, group=last, async_op=True
+        )
         assert work is not None
-        self._pending.append(work)
+        return work
 
     def sum_(self, values: torch.Tensor) -> int:
         """Sum ``values`` in place over the groups, one after the other (for groups forming a
@@ -439,23 +598,23 @@ class RankAgreement:
             ranks *= dist.get_world_size(group)
         return ranks
 
-    def settle(self) -> None:
-        """Wait for every reduction launched so far; a verdict whose fingerprints differed
-        skips its step (its flag set on the device) and is kept for the check.
+    def _settle(self, iteration: Iteration) -> None:
+        """Wait for every reduction launched in ``iteration``; a verdict whose fingerprints
+        differed skips its step (its flag set on the device) and is kept for the check.
 
         With gloo (CPU) this blocks the host until the reductions are done; with NCCL it only
         makes the current stream wait for them. No host sync.
         """
-        for verdict, agreed in self._settle():
+        for verdict, agreed in self._wait(iteration):
             self._fold(verdict, agreed)
 
-    def _settle(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Wait for every reduction launched so far; the verdicts that settled."""
-        for work in self._pending:
+    def _wait(self, iteration: Iteration) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait for every reduction launched in ``iteration``; the verdicts that settled, with
+        their agreed flags."""
+        launched, iteration.launched = iteration.launched, []
+        for work, _, _ in launched:
             work.wait()
-        self._pending.clear()
-        settled, self._verdicts = self._verdicts, []
-        return settled
+        return [(verdict, agreed) for _, verdict, agreed in launched]
 
     def _fold(self, verdict: torch.Tensor, agreed: torch.Tensor) -> None:
         """A verdict nobody reads now (its kernel takes the flag ``agreed``): if its
@@ -466,54 +625,13 @@ class RankAgreement:
         torch.clamp(verdict[_FLAG:].sum(), max=1.0, out=agreed)
         self._landing.append(HostCopy(verdict, 0))
 
-    def decide(
-        self,
-        local_flags: tuple[torch.Tensor | None, torch.Tensor | None],
-        agreed: torch.Tensor,
-        settings: Callable[[], Mapping[str, SettingValue]],
-        spike: torch.Tensor | None = None,
-        micro_batch: Callable[[], int | None] = lambda: None,
-    ) -> tuple[bool, Origins]:
-        """Wait for the groups' verdict on a non-fused optimizer and read it (one host sync):
-        whether every rank skips (for the agreed inf/NaN flag ``agreed``, or a guard's
-        ``spike``), and then where the trouble came from (:meth:`origins` of this rank's
-        ``local_flags`` and ``micro_batch()``, a collective every rank makes, as all of them
-        skip together). ``settings()`` is what the ranks compare where the fingerprints
-        differed (as for :meth:`agree`).
-
-        Raises:
-            InvalidConfigError: the ranks' fingerprints differed (every rank raises, after one
-                gather naming the differences).
-            ScalerUsageError: no rank held any of the optimizer's gradients (torch's error
-                without a group; every rank raises), unless ``refuse_unchecked`` is ``False``.
-        """
-        mine = _verdict_of(agreed)
-        for settled, flag in self._settle():  # this one is read here; others' kernels take theirs
-            if settled is not mine:
-                self._fold(settled, flag)
-        verdict: list[float]
-        if spike is None:  # the verdict says it all: one read
-            verdict = mine.tolist()
-            skipped = verdict[_FLAG]
-        else:
-            verdict, skipped = read_values([mine, torch.maximum(agreed, spike)])
-        earlier = self._landed_differ()  # fused verdicts settled since the last check
-        if _differ(verdict) or earlier:
-            self._stop(settings)
-        if self._refuse_unchecked and verdict[_HELD] <= 0:
-            raise ScalerUsageError(NO_GRADIENTS)
-        if not skipped:
-            return False, Origins()
-        return True, self.origins(local_flags, micro_batch())
-
-    def unchecked(self, agreed: torch.Tensor) -> bool:
+    def _unchecked(self, agreed: torch.Tensor) -> bool:
         """Whether the optimizer whose verdict is ``agreed`` is to be treated as unchecked (as
         torch's ``GradScaler`` treats an optimizer without gradients): no rank of the groups
         held any of its gradients, and this agreement refuses such optimizers. A host sync
         when it does: ask only on a rank that held none of them itself."""
         if not self._refuse_unchecked:
             return False
-        self.settle()
         return float(_verdict_of(agreed)[_HELD].item()) <= 0
 
     def origins(
@@ -580,7 +698,7 @@ class RankAgreement:
     def __deepcopy__(self, memo: dict[int, Any]) -> RankAgreement:
         # Process groups cannot be copied: a copied scaler agrees over the same groups.
         twin = RankAgreement.__new__(RankAgreement)
-        twin.__dict__.update(self.__dict__, _pending=[], _verdicts=[], _landing=[], _compared=None)
+        twin.__dict__.update(self.__dict__, _landing=[], _compared=None)
         return twin
 
     def __getstate__(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ import torch
 from .errors import InvalidConfigError
 
 if TYPE_CHECKING:
-    from .distributed import RankAgreement
+    from .distributed import Agreement, RankAgreement
     from .grads.collect import GradGroups
     from .iteration import Iteration, OptimizerRecord
     from .policy.base import Meter
@@ -260,11 +260,6 @@ class HookList:
         """The first hook that is a ``kind``, or ``None``."""
         return next((hook for hook in self._hooks if isinstance(hook, kind)), None)
 
-    def the(self, kind: type[Any], make: Callable[[], Hook]) -> Any:
-        """The first hook that is a ``kind``, added (``make()``) if there is none."""
-        found = self.find(kind)
-        return self.add(make()) if found is None else found
-
     def run_periodic(self, iteration: Iteration, live: LiveState) -> None:
         """Call the periodic hooks that are due (:attr:`due_in` has counted down to 0), and
         set :attr:`due_in` to the next one."""
@@ -314,12 +309,12 @@ class MeterHook(Hook):
 
     Args:
         meter: the policy's meter.
-        agreement: the scaler's rank agreement, which max-reduces a measurement over its
-            process group (one all_reduce of one value, on measured iterations only: every
-            rank follows the same schedule); ``None``: one rank.
+        agreement: the scaler's agreement, which max-reduces a measurement over its process
+            groups, if any (one all_reduce of one value, on measured iterations only: every
+            rank follows the same schedule).
     """
 
-    def __init__(self, meter: Meter, agreement: RankAgreement | None = None) -> None:
+    def __init__(self, meter: Meter, agreement: Agreement) -> None:
         self.meter = meter
         self._agreement = agreement
 
@@ -334,9 +329,8 @@ class MeterHook(Hook):
             self.meter.skip()
             return
         measured = self.meter.take(live.device)
-        if measured is not None and self._agreement is not None:
-            measured = self._agreement.launch(measured)
-            self._agreement.settle()
+        if measured is not None:
+            measured = self._agreement.max_over_ranks(measured)
         if measured is None and iteration.overflow_known() is not False:
             # An iteration that may have overflowed reaches the policy with "nothing measured"
             # (< 0): the overflow itself is a measurement (HeadroomPolicy's bound). The flag is

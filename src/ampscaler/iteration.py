@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
 
@@ -37,7 +37,6 @@ __all__ = [
     "SkipOrigin",
     "SkipReason",
     "StepOutcome",
-    "flag_sum",
 ]
 
 SkipReason = Literal["nonfinite", "spike"]
@@ -151,17 +150,15 @@ class OptimizerRecord:
     reported: bool = False
 
 
-def flag_sum(flags: list[torch.Tensor]) -> torch.Tensor | None:
-    """The flags added up (``None`` for none): > 0 iff any of them is.
-
-    Example:
-        >>> flag_sum([torch.tensor(0.0), torch.tensor(1.0)]), flag_sum([])
-        (tensor(1.), None)
-    """
-    total = None
-    for flag in flags:
-        total = flag if total is None else total + flag
-    return total
+def _known_overflow(record: OptimizerRecord) -> bool | None:
+    """Whether a checked optimizer's gradients held inf/NaN, where the host knows it (a plain
+    step or ``unscale_()`` read it); ``None`` while it is a flag on the device."""
+    outcome = record.outcome
+    if outcome is None:
+        return record.known_overflow
+    if isinstance(outcome._found_inf, torch.Tensor):
+        return None
+    return bool(outcome._found_inf)
 
 
 @dataclass
@@ -193,6 +190,8 @@ class Iteration:
             ``update(new_scale)``).
         notes: what hooks derived from the iteration, by hook (an overflow report, a trace):
             kept with it, dropped with it.
+        launched: the rank agreement's reductions of this iteration not yet waited for, as
+            ``(work, verdict, agreed flag)`` (:class:`~ampscaler.distributed.RankAgreement`).
     """
 
     records: dict[int, OptimizerRecord] = field(default_factory=dict)
@@ -209,6 +208,7 @@ class Iteration:
     measured: torch.Tensor | None = None
     by_policy: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
+    launched: list[Any] = field(default_factory=list)
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
@@ -286,8 +286,10 @@ class Iteration:
     def __getstate__(self) -> dict[str, object]:
         # A copy (copy.deepcopy, pickle) taken after scale() carries the losses detached: a
         # loss that is not a graph leaf refuses deepcopy, and a copy holds no autograd graph.
+        # Reductions in flight belong to this object (a copy agrees anew).
         state = self.__dict__.copy()
         state["losses"] = [loss.detach() for loss in self.losses]
+        state["launched"] = []
         return state
 
     def let_go_of_losses(self, clean: bool) -> None:
@@ -337,10 +339,6 @@ class Iteration:
         bad = (~finite).nonzero()
         return int(bad[0, 0]) if bad.numel() else None
 
-    def flags(self) -> list[torch.Tensor]:
-        """The inf flags of the optimizers that were checked."""
-        return [r.found_inf for r in self.records.values() if r.found_inf is not None]
-
     def outcome_flags(self) -> torch.Tensor:
         """After ``update()``: ``[found_inf, spiked, loss flag]`` as one float32 tensor on the
         scale's device (0 where there is none). A few device ops; no host sync."""
@@ -355,19 +353,23 @@ class Iteration:
         """The inf flags of the optimizers that were checked, their sum (> 0 iff any
         overflowed; ``None`` for none), whether any overflowed where the host knows it
         (:meth:`overflow_known`), and the guards' flags summed (``None``: no guard said
-        anything). No host sync."""
-        flags = []
-        total = None
+        anything), in one pass over the records. No host sync."""
+        flags: list[torch.Tensor] = []
+        total = spiked = None
+        known: bool | None = False
         for record in self.records.values():
+            spike = record.spike
+            if spike is not None:
+                spiked = spike if spiked is None else spiked + spike
             flag = record.found_inf
-            if flag is not None:
-                flags.append(flag)
-                total = flag if total is None else total + flag
-        return flags, total, self.overflow_known(), flag_sum(self.spikes())
-
-    def spikes(self) -> list[torch.Tensor]:
-        """The guards' flags of the optimizers that had them."""
-        return [r.spike for r in self.records.values() if r.spike is not None]
+            if flag is None:
+                continue  # not checked: not in the iteration's flag
+            flags.append(flag)
+            total = flag if total is None else total + flag
+            if known is not None:
+                nonfinite = _known_overflow(record)
+                known = None if nonfinite is None else known or nonfinite
+        return flags, total, known, spiked
 
     def overflow_known(self) -> bool | None:
         """Whether a checked optimizer's gradients held inf/NaN, when every check's outcome is
@@ -376,31 +378,23 @@ class Iteration:
         under a ``process_group``). No host sync."""
         known = False
         for record in self.records.values():
-            if record.found_inf is None:
-                continue  # not checked: not in the iteration's flag
-            outcome = record.outcome
-            if outcome is None:
-                nonfinite = record.known_overflow
-            elif isinstance(outcome._found_inf, torch.Tensor):
-                return None  # a flag still on the device
-            else:
-                nonfinite = bool(outcome._found_inf)
-            if nonfinite is None:
-                return None
-            known = known or nonfinite
+            if record.found_inf is not None:  # checked
+                nonfinite = _known_overflow(record)
+                if nonfinite is None:
+                    return None
+                known = known or nonfinite
         return known
 
-    def require_checked(self) -> None:
-        """Raise unless some optimizer was checked (``update()`` needs a flag).
+    def refuse_unchecked(self) -> NoReturn:
+        """Raise: ``update()`` needs a flag, and no optimizer was checked.
 
         Raises:
-            ScalerUsageError: no ``step()`` or ``unscale_()`` in the iteration.
+            ScalerUsageError: always (no ``step()`` or ``unscale_()`` in the iteration).
         """
-        if not self.flags():
-            raise ScalerUsageError(
-                "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
-                "for every optimizer of the iteration before scaler.update()."
-            )
+        raise ScalerUsageError(
+            "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
+            "for every optimizer of the iteration before scaler.update()."
+        )
 
 
 def nonfinite_flag(values: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,8 @@ from .checkpoint import from_state_dict, to_state_dict
 from .compat import TorchPrivateNames
 from .distributed import (
     NO_GROUP,
+    Agreement,
     GroupSpec,
-    Origins,
     RankAgreement,
     SettingValue,
     agreement_for,
@@ -65,7 +65,6 @@ from .iteration import (
     Iteration,
     OptimizerRecord,
     OptState,
-    SkipOrigin,
     SkipReason,
     StepOutcome,
 )
@@ -149,6 +148,82 @@ def _scale_nested(
         return type(value)(items) if isinstance(value, (list, tuple)) else items
 
     return scaled(outputs)
+
+
+class OneRank:
+    """The :class:`~ampscaler.distributed.Agreement` of a rank that decides alone (no
+    ``process_group``): the verdict is the rank's own flag, read where the step needs it.
+
+    Args:
+        look_for_world: at the first check, warn if torch.distributed turned out to run
+            several ranks (``process_group=None`` given before ``init_process_group()``).
+    """
+
+    ranks: RankAgreement | None = None
+    local_shards = False
+    flags_losses = False
+
+    def __init__(self, look_for_world: bool = False) -> None:
+        self._look_for_world = look_for_world
+
+    def agree(
+        self,
+        record: OptimizerRecord,
+        found_inf: torch.Tensor | None,
+        iteration: Iteration,
+        device: torch.device,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> None:
+        """The verdict is the check's flag."""
+        record.found_inf = found_inf
+        if self._look_for_world:
+            self._look_for_world = False
+            warn_if_world_came_later()
+
+    def read_early(self, record: OptimizerRecord) -> bool | None:
+        """A plain optimizer's flag, read now (the host sync its step needs anyway); ``None``
+        for a fused optimizer, whose kernel takes the flag, or one without gradients."""
+        found_inf = record.found_inf
+        if found_inf is None or getattr(record.optimizer, "_step_supports_amp_scaling", False):
+            return None
+        return bool(found_inf.item())
+
+    def decide(
+        self,
+        record: OptimizerRecord,
+        iteration: Iteration,
+        settings: Callable[[], Mapping[str, SettingValue]],
+    ) -> bool:
+        """Whether the step is skipped: known from ``unscale_()``, or read now (a host sync)."""
+        found_inf, spike = record.found_inf, record.spike
+        assert found_inf is not None, "step() refuses an optimizer without gradients"
+        if record.known_overflow is not None and spike is None:
+            return record.known_overflow
+        skip = found_inf if spike is None else torch.maximum(found_inf, spike)
+        return bool(skip.item())
+
+    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
+        """The check's flag is final."""
+
+    def flags(
+        self, iteration: Iteration
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
+        """The iteration's flags as checked."""
+        return iteration.checked_flags()
+
+    def moved(self) -> None:
+        """Nothing to compare with."""
+
+    def loaded(self) -> None:
+        """Nothing to compare with."""
+
+    def refuse_alone(self, reason: str) -> None:
+        """Raise if this rank is one of several (:func:`~ampscaler.distributed.refuse_alone`)."""
+        refuse_alone(reason)
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value``: this rank is the only one."""
+        return value
 
 
 class GradScaler(TorchPrivateNames):
@@ -268,14 +343,14 @@ class GradScaler(TorchPrivateNames):
         self._init_scale = starting_scale(chosen, init_scale)
         self._init_growth_tracker = 0
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
-        self._planner: GradPlanner | None = None  # flat buffers (opt-in: grads/flat.py)
-        if check_switch("flat_grads", flat_grads):
+        self._gather: Callable[..., GradGroups] = collect  # one walk over the gradients
+        self._planner: GradPlanner | None = None
+        if check_switch("flat_grads", flat_grads):  # or flat buffers (opt-in: grads/flat.py)
             self._planner = GradPlanner()
+            self._gather = self._planner.groups
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
-        self._agreement, self._world_expected = agreement_for(
-            process_group, self._refuses_unchecked
-        )
+        self._agreement: Agreement = agreement_for(process_group, self._refuses_unchecked, OneRank)
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
@@ -288,10 +363,6 @@ class GradScaler(TorchPrivateNames):
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
         self._watched = WatchedModels()  # for the policy's meter
         self._add_meter(chosen, 0)
-        self._last_outcome: StepOutcome | None = None
-        # Each optimizer's latest outcome by id, dropped with the optimizer (a weak-keyed
-        # dict would make a weak reference at every step).
-        self._outcomes: dict[int, StepOutcome] = {}
         # Whether the scaler is used with bfloat16 is looked at in the first iteration only.
         self._bf16 = Bfloat16Watch()
         if self._enabled and self._device == "cpu":
@@ -351,9 +422,8 @@ class GradScaler(TorchPrivateNames):
         # Eagerly the loss is kept as given and let go of at update() (Iteration.
         # let_go_of_losses); a compiled step keeps it detached: one path for every step.
         kept = loss.detach() if compiling else loss
-        # With a process group the loss flag is agreed at the check: kept as the losses come.
         iteration = self._iteration
-        iteration.keep_loss(kept, flag=self._agreement is not None)
+        iteration.keep_loss(kept, flag=self._agreement.flags_losses)
         if not compiling:  # a Python count read under torch.compile would be guarded on
             for hook in self._hooks.at_scale:
                 hook.at_scale(iteration)
@@ -410,13 +480,8 @@ class GradScaler(TorchPrivateNames):
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
         self._unscale(record, live)
-        if (
-            not torch.compiler.is_compiling()
-            and self._agreement is None
-            and record.found_inf is not None
-            and not getattr(optimizer, "_step_supports_amp_scaling", False)
-        ):
-            record.known_overflow = bool(record.found_inf.item())
+        if not torch.compiler.is_compiling():
+            record.known_overflow = self._agreement.read_early(record)
             if record.known_overflow:  # heard now, while the gradients are as checked
                 record.reported = True
                 for hook in self._hooks.on_skip:
@@ -435,11 +500,8 @@ class GradScaler(TorchPrivateNames):
             prepare()  # e.g. master weights: the gradients checked are the masters'
         for hook in self._hooks.before_check:
             hook.before_check(record, live.scale)
-        local = self._agreement is not None  # then this scaler reduces the flag itself
-        if self._planner is not None:
-            groups = self._planner.groups(optimizer, allow_fp16, local)
-        else:
-            groups = collect(optimizer, allow_fp16=allow_fp16, local=local)
+        local = self._agreement.local_shards
+        groups = self._gather(optimizer, allow_fp16=allow_fp16, local=local)
         # Under torch.compile the flags are not read: a guard on them would recompile.
         if not torch.compiler.is_compiling() and self._bf16.active:
             self._bf16.look_at_gradients({dtype for per in groups.values() for dtype in per})
@@ -457,19 +519,12 @@ class GradScaler(TorchPrivateNames):
         found_inf = check_and_unscale_(groups, multiplier, live.device)
         iteration = self._iteration
         for hook in self._hooks.after_check:
-            check = Check(iteration, record, groups, multiplier * live.scale, live, self._agreement)
+            unscaled_by = multiplier * live.scale
+            check = Check(iteration, record, groups, unscaled_by, live, self._agreement.ranks)
             flag = hook.after_check(check)
             if flag is not None:
                 record.spike = flag if record.spike is None else torch.maximum(record.spike, flag)
-        if self._agreement is not None:  # the inf flag and the loss flag, agreed together
-            record.local_found_inf, agreed = self._agreement.agree(
-                found_inf, iteration.local_loss_flag, live.device, self._settings
-            )
-            found_inf, iteration.loss_nonfinite = agreed[0], agreed[1]
-        elif self._world_expected:  # process_group=None given before init_process_group()
-            self._world_expected = False
-            warn_if_world_came_later()
-        record.found_inf = found_inf
+        self._agreement.agree(record, found_inf, iteration, live.device, self._settings)
         iteration.scale = live.scale
 
     def _settings(self) -> dict[str, SettingValue]:
@@ -538,39 +593,17 @@ class GradScaler(TorchPrivateNames):
                 "gradient. Call scaler.scale(loss).backward() on a loss that depends on the "
                 "optimizer's parameters before scaler.step(optimizer)."
             )
-        origins = None
-        if self._agreement is not None:  # the group's verdict (read once settled), its origins
-            skipped, origins = self._agreement.decide(
-                (record.local_found_inf, self._iteration.local_loss_flag),
-                found_inf,
-                self._settings,
-                record.spike,
-                self._iteration.first_nonfinite_loss,
-            )
-        elif record.known_overflow is not None and record.spike is None:
-            skipped = record.known_overflow  # unscale_() read it
-        else:
-            skip = found_inf if record.spike is None else torch.maximum(found_inf, record.spike)
-            skipped = bool(skip.item())
+        iteration = self._iteration
+        skipped = self._agreement.decide(record, iteration, self._settings)
         # Only a skipped step with a guard needs to know which flag it was: a second read.
         nonfinite = skipped if record.spike is None else skipped and bool(found_inf.item())
         self._stepped(record, nonfinite, skipped and not nonfinite, live)
         if nonfinite and not record.reported:
-            record.origin = self._skip_origin(origins)
+            if record.origin is None:  # not told by the agreement: this rank's own
+                record.origin = iteration.loss_origin()
             for hook in self._hooks.on_skip:
-                hook.on_skip(self._iteration, record, live)
+                hook.on_skip(iteration, record, live)
         return None if skipped else record.optimizer.step(*args, **kwargs)
-
-    def _skip_origin(self, origins: Origins | None) -> SkipOrigin:
-        """Where a skipped plain step's trouble came from: agreed over the process group (its
-        ranks and micro-batch gathered by the decision), or this rank's."""
-        iteration = self._iteration
-        if origins is None or iteration.loss_nonfinite is None:
-            return iteration.loss_origin()
-        if bool(iteration.loss_nonfinite > 0):
-            return SkipOrigin("loss", origins.loss_ranks, origins.micro_batch)
-        cause = "gradients" if iteration.losses else None
-        return SkipOrigin(cause, origins.gradient_ranks)
 
     def _fused_step(
         self,
@@ -589,13 +622,7 @@ class GradScaler(TorchPrivateNames):
             exact = one_pass and self._state.exact_reciprocal
             multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
             self._check(groups, record, live, multiplier)
-        agreement = self._agreement
-        if agreement is not None:
-            agreement.settle()  # the kernel must see the agreed flag
-            agreed = record.found_inf  # below: when this rank held none, did any rank?
-            held_none = record.local_found_inf is None
-            if held_none and agreed is not None and agreement.unchecked(agreed):
-                record.found_inf = None  # held by no rank: refused at update(), as in torch
+        self._agreement.before_kernel(record, self._iteration)
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()
             found_inf = torch.zeros((), dtype=torch.float32, device=live.device)
@@ -612,8 +639,9 @@ class GradScaler(TorchPrivateNames):
         live: LiveState,
     ) -> None:
         record.stage = OptState.STEPPED
-        outcome = record.outcome = self._last_outcome = StepOutcome(found_inf, spike)
-        outcomes, key = self._outcomes, id(record.optimizer)
+        outcome = record.outcome = StepOutcome(found_inf, spike)
+        outcomes, key = self._state.outcomes, id(record.optimizer)
+        outcomes.last = outcome
         if key not in outcomes:  # dropped when the optimizer is, before its id is reused
             weakref.finalize(record.optimizer, outcomes.pop, key, None)
         outcomes[key] = outcome
@@ -660,56 +688,53 @@ class GradScaler(TorchPrivateNames):
             return
         live = self._state.require("update")
         iteration = self._iteration
-        if self._agreement is not None:
-            self._agreement.settle()
         # found_inf > 0 iff any overflowed; overflowed: whether, where the host knows it
-        flags, found_inf, overflowed, spiked = iteration.checked_flags()
-        if new_scale is None and found_inf is not None and compiling and self._defers_update():
+        flags, found_inf, overflowed, spiked = self._agreement.flags(iteration)
+        if new_scale is not None:
+            self._set_scale(new_scale, iteration, found_inf, spiked, overflowed, live, compiling)
+            return
+        if found_inf is None:
+            iteration.refuse_unchecked()
+        if compiling and self._defers_update():
             self._state.defer(flags)
             # The live scale still holds the old value until the update is applied.
             self._end(iteration, found_inf, live.scale, None, live, None, compiling)
             return
-        if new_scale is None and found_inf is None:
-            iteration.require_checked()
-        iteration.by_policy = new_scale is None
         for hook in hooks.before_update:
             hook.before_update(iteration, live)
-        old_scale = self._move(new_scale, found_inf, spiked, live, overflowed, compiling)
-        if new_scale is None and not compiling and self._agreement is not None:
-            self._agreement.note_update()  # every rank moved alike: no new fingerprint
-        if found_inf is None:  # update(new_scale) with nothing stepped: nothing to count
+        old_scale = self._state.advance(
+            found_inf, spiked, iteration.measured, iteration.cause_flag, overflowed,
+            iteration.start_scale, compiling,
+        )  # fmt: skip
+        if not compiling:
+            self._agreement.moved()  # every rank moved alike: no new fingerprint
+        self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
+        if self._max_consecutive_skips is not None:
+            self._check_persistent_overflow(live, self._max_consecutive_skips)
+
+    def _set_scale(
+        self,
+        new_scale: float | torch.Tensor,
+        iteration: Iteration,
+        found_inf: torch.Tensor | None,
+        spiked: torch.Tensor | None,
+        overflowed: bool | None,
+        live: LiveState,
+        compiling: bool,
+    ) -> None:
+        """``update(new_scale)``: validate it, write it by the policy, end the iteration (a
+        host sync for a tensor ``new_scale``)."""
+        value = new_scale_value(new_scale, self._state.policy)
+        iteration.by_policy = False
+        for hook in self._hooks.before_update:
+            hook.before_update(iteration, live)
+        old_scale = self._state.set_scale(value, found_inf, spiked)
+        if found_inf is None:  # nothing stepped: nothing to count
             self._iteration = Iteration()
             return
         self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
-
-    def _move(
-        self,
-        new_scale: float | torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        spiked: torch.Tensor | None,
-        live: LiveState,
-        overflowed: bool | None,
-        compiling: bool,
-    ) -> torch.Tensor:
-        """Set the scale to ``new_scale``, or move it by the policy (``overflowed``: whether
-        the iteration overflowed, where the host knows it; ``compiling``: under
-        ``torch.compile``); returns a copy of the scale before."""
-        if new_scale is not None:
-            value = new_scale_value(new_scale, self._state.policy)
-            return self._state.set_scale(value, found_inf, spiked)
-        assert found_inf is not None
-        iteration = self._iteration
-        return self._state.advance(
-            found_inf,
-            spiked,
-            iteration.measured,
-            iteration.cause_flag,
-            overflowed,
-            iteration.start_scale,
-            compiling,
-        )
 
     def _defers_update(self) -> bool:
         """Whether ``update()`` under ``torch.compile`` hands its work to the next read of the
@@ -828,8 +853,8 @@ class GradScaler(TorchPrivateNames):
                 and a rank that replays alone leaves the others waiting).
         """
         limit = check_attempts(max_attempts)
-        if self._enabled and self._agreement is None:
-            refuse_alone(
+        if self._enabled:
+            self._agreement.refuse_alone(
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
             )
@@ -1108,8 +1133,7 @@ class GradScaler(TorchPrivateNames):
         for restore in restores:
             if restore is not None:
                 restore()
-        if self._agreement is not None:
-            self._agreement.note_load()  # the ranks compare what they hold at the next step
+        self._agreement.loaded()  # the ranks compare what they hold at the next step
 
     def _agree_over(self, process_group: GroupSpec) -> None:
         """Agree on overflow over ``process_group`` from the next check on, as if it had been
@@ -1126,7 +1150,7 @@ class GradScaler(TorchPrivateNames):
         if old is not None:
             old.meter.detach()
             self._hooks.remove(old)
-        meter = policy.new_meter(iteration, agreed=self._agreement is not None)
+        meter = policy.new_meter(iteration, agreed=self._agreement.ranks is not None)
         if meter is None or not self._enabled:
             return
         for model, prefix in self._watched:
@@ -1143,17 +1167,13 @@ class GradScaler(TorchPrivateNames):
         if self._enabled:  # as torch's: a copy starts from the values held now
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
-        outcome = self._last_outcome
-        state["_last_outcome"] = None if outcome is None else outcome.settled()
-        # Which optimizers skipped, and which models are watched, belong to this object.
-        state["_outcomes"] = None
+        # Which models are watched belongs to this object.
         state["_watched"] = WatchedModels()
         state["_finished"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._outcomes = {}
 
     # ------------------------------------------------------------------ skips and reports
 
@@ -1176,7 +1196,7 @@ class GradScaler(TorchPrivateNames):
         A host sync on the fused-optimizer path (it reads the inf flag handed to the kernel);
         free otherwise, since the decision already read it.
         """
-        outcome = self._last_outcome
+        outcome = self._state.outcomes.last
         return outcome is not None and outcome.skipped
 
     @property
@@ -1184,7 +1204,7 @@ class GradScaler(TorchPrivateNames):
         """Deprecated: :attr:`last_step_skipped` says whether the step was skipped, and
         :attr:`last_overflow` why (``None`` after a skip: a guard vetoed finite gradients)."""
         _deprecated("last_skip_reason", "scaler.last_step_skipped and scaler.last_overflow")
-        outcome = self._last_outcome
+        outcome = self._state.outcomes.last
         return None if outcome is None else outcome.reason
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -1215,7 +1235,7 @@ class GradScaler(TorchPrivateNames):
             ScalerUsageError: (a ``RuntimeError``) ``optimizer`` has not been stepped through
                 this scaler.
         """
-        outcome = self._outcomes.get(id(optimizer))
+        outcome = self._state.outcomes.of(optimizer)
         if outcome is None:
             raise ScalerUsageError(
                 f"step_skipped() was asked about an optimizer ({type(optimizer).__name__}) "
@@ -1264,8 +1284,8 @@ class GradScaler(TorchPrivateNames):
     # ------------------------------------------------------------------ plug-ins
 
     def attach(self, plugin: PluginT) -> PluginT:
-        """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (what
-        consumes step records, a sink, goes to :meth:`add_sink`; a callback to :meth:`on`):
+        """Plug ``plugin`` into the iteration; returns it. The one way to add a plug-in (a
+        callback goes to :meth:`on`):
 
         - a :class:`~ampscaler.Hook` of your own (:mod:`ampscaler.hooks`: the moments of an
           iteration it is told about);
@@ -1277,41 +1297,56 @@ class GradScaler(TorchPrivateNames):
           being handed to the next ``scale()``;
         - a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer` on the
           models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of
-          the default one.
+          the default one;
+        - a sink, anything with ``write(record)`` (:class:`~ampscaler.StepHistory`,
+          :class:`~ampscaler.JsonlSink`, :class:`~ampscaler.LoggingSink`, ...; see
+          :mod:`ampscaler.observe.sinks`): it gets every step record at the end of
+          :meth:`update`, which then syncs once per iteration.
 
-        :meth:`detach` takes a hook or guard out again.
+        :meth:`detach` takes any of them out again (a sink is not closed).
 
         Example:
             >>> import ampscaler
             >>> scaler = ampscaler.GradScaler("cpu")
             >>> guard = scaler.attach(ampscaler.SpikeGuard(sigma=6.0, window=128))
             >>> probe = scaler.attach(ampscaler.GradientProbe(every=100))
+            >>> history = scaler.attach(ampscaler.StepHistory(1000))
             >>> scaler.detach(guard)
 
         Raises:
-            TypeError: none of these (a sink: :meth:`add_sink`). ValueError: attached already
-                (a probe or tracer: one of each).
+            TypeError: none of these. ValueError: attached already (a probe or tracer: one of
+                each).
         """
         if isinstance(plugin, Hook):
             self._hooks.add(plugin)
         elif not any(hook.adopt(plugin) for hook in self._hooks):
-            raise TypeError(
-                "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
-                f"GradientProbe, a NonFiniteTracer or a CollapseWatch, got "
-                f"{type(plugin).__name__}; objects that take step records go to add_sink()."
-            )
+            if not isinstance(plugin, Sink):
+                raise TypeError(
+                    "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
+                    "GradientProbe, a NonFiniteTracer, a CollapseWatch or a sink (an object "
+                    f"with write(record), what add_sink() took), got {type(plugin).__name__}."
+                )
+            self._observers.add_sink(plugin)
         return plugin
 
     def detach(self, plugin: object) -> None:
-        """Take a hook or guard that :meth:`attach` added out again.
+        """Take a hook, guard, observer or sink that :meth:`attach` added out again (a sink is
+        not closed).
 
         Raises:
             ValueError: it is not attached.
         """
         if isinstance(plugin, Hook):
             self._hooks.remove(plugin)
-        elif not any(hook.release(plugin) for hook in self._hooks):
-            raise ValueError(f"{plugin!r} is not attached to this scaler; see scaler.attach().")
+            return
+        if any(hook.release(plugin) for hook in self._hooks):
+            return
+        try:
+            self._observers.remove_sink(plugin)  # type: ignore[arg-type]
+        except ValueError:
+            raise ValueError(
+                f"{plugin!r} is not attached to this scaler; see scaler.attach()."
+            ) from None
 
     def add_guard(self, guard: PluginT) -> PluginT:
         """Deprecated: :meth:`attach` takes guards."""
@@ -1325,30 +1360,22 @@ class GradScaler(TorchPrivateNames):
         return guard
 
     def add_sink(self, sink: SinkT) -> SinkT:
-        """Send every step record to ``sink`` (an object with ``write(record)``); returns it.
-
-        Attaching a sink makes :meth:`update` sync once per iteration. See
-        :mod:`ampscaler.observe.sinks`.
-
-        Example:
-            >>> import ampscaler, torch
-            >>> from ampscaler import LoggingSink
-            >>> scaler = ampscaler.GradScaler("cpu")
-            >>> sink = scaler.add_sink(LoggingSink("train"))
-            >>> scaler.remove_sink(sink)
+        """Deprecated: :meth:`attach` takes sinks.
 
         Raises:
             TypeError: ``sink`` has no ``write`` method.
         """
+        _deprecated("add_sink(sink)", "scaler.attach(sink)")
         self._observers.add_sink(sink)
         return sink
 
     def remove_sink(self, sink: Sink) -> None:
-        """Stop sending records to ``sink`` (without closing it).
+        """Deprecated: :meth:`detach` takes sinks out.
 
         Raises:
             ValueError: ``sink`` is not attached.
         """
+        _deprecated("remove_sink(sink)", "scaler.detach(sink)")
         self._observers.remove_sink(sink)
 
     def watch(self, *models: torch.nn.Module, **named_models: torch.nn.Module) -> None:

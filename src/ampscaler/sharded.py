@@ -61,7 +61,7 @@ class ShardedGradScaler(GradScaler):
     With its default arguments the parameters, scales and skipped steps are bit for bit those
     of torch's ``ShardedGradScaler`` (checked on FSDP2 ranks with injected overflows), and its
     ``state_dict`` is interchangeable with torch's. Everything :class:`~ampscaler.GradScaler`
-    offers applies (``add_guard``, ``add_sink``, ``watch``, ``last_overflow.ranks``, ...).
+    offers applies (``attach`` for guards and sinks, ``watch``, ``last_overflow.ranks``, ...).
 
     Example::
 

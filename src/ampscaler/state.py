@@ -39,17 +39,23 @@ import torch
 
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
-from .hostcopy import HostCopy, read_values
+from .hostcopy import read_values
+from .iteration import StepOutcome
 from .policy import LOWEST_SCALE, Policy, PolicyState, adjusted, float32_value
-from .policy.derived import comparable, lowest_after, power_of_two, with_rule
+from .policy.derived import comparable, power_of_two, with_rule
 
-__all__ = ["FOLD_EVERY", "HostState", "LiveState", "ScalerState", "ScalerStats", "StepCounters"]
+__all__ = [
+    "FOLD_EVERY",
+    "HostState",
+    "LiveState",
+    "ScalerState",
+    "ScalerStats",
+    "StepCounters",
+    "StepOutcomes",
+]
 
 #: Iterations kept before they are folded into the counters, at the latest.
 FOLD_EVERY = 256
-#: Below this bound on the scale (known on the host, see ``ScalerState._keep_above_floor``) a
-#: copy of the scale is taken to renew it: some 80 backoffs before the floor is in reach.
-RENEW_BELOW = 2.0**-46
 
 #: The largest value an int64 counter holds.
 INT64_MAX = 2**63 - 1
@@ -127,17 +133,19 @@ class StepCounters:
         found_inf: torch.Tensor,
         old_scale: torch.Tensor,
         spiked: torch.Tensor | None = None,
+        compiling: bool | None = None,
     ) -> None:
         """Count one iteration: it overflowed iff ``found_inf > 0``; a guard skipped it iff
         ``spiked > 0`` (``None``: no guard); it started at ``old_scale`` (a copy nobody
         modifies) and ended at the live scale's value now. A NaN ``found_inf`` stands for no
         iteration and is not counted.
 
-        Eagerly the iteration is kept for a later fold; under ``torch.compile`` it is counted
-        at once, in place, so the compiled graph holds no growing list (and its guards never
-        change with the step number).
+        Eagerly the iteration is kept for a later fold; under ``torch.compile`` (``compiling``,
+        where the caller knows it; asked otherwise) it is counted at once, in place, so the
+        compiled graph holds no growing list (and its guards never change with the step
+        number).
         """
-        if torch.compiler.is_compiling():
+        if compiling or (compiling is None and torch.compiler.is_compiling()):
             self.count_now(found_inf, old_scale, spiked)
         else:
             self.keep(found_inf, old_scale, spiked)
@@ -181,11 +189,6 @@ class StepCounters:
     def steps(self) -> torch.Tensor:
         """Iterations counted so far, a 0-dim int64 tensor on the device (no sync)."""
         return self.values[0]
-
-    @property
-    def skipped(self) -> torch.Tensor:
-        """Iterations skipped for inf/NaN so far, a 0-dim int64 tensor (no sync)."""
-        return self.values[1]
 
     @property
     def consecutive_skips(self) -> torch.Tensor:
@@ -244,6 +247,42 @@ def _stacked(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([flag.to(device) for flag in flags])
 
 
+class StepOutcomes(dict[int, StepOutcome]):
+    """The outcome of the latest ``step()`` (:attr:`last`), and of each optimizer's latest, by
+    the optimizer's ``id``: what ``last_step_skipped`` and ``step_skipped(optimizer)`` answer,
+    valid across ``update()`` until the next step; what persists of the steps beside the
+    counters. The scaler's ``step()`` writes it (a dict: no call into this module per step),
+    and drops an optimizer's entry with the optimizer (not kept alive, and gone before its
+    ``id`` can be reused: a weak-keyed dict would make a weak reference at every step). A copy
+    (pickle, ``copy.deepcopy``) keeps the latest outcome only, as Python values.
+
+    Example:
+        >>> outcomes = StepOutcomes()
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> outcomes[id(opt)] = outcomes.last = StepOutcome(False)
+        >>> outcomes.of(opt).skipped, outcomes.last.skipped, len(outcomes)
+        (False, False, 1)
+    """
+
+    last: StepOutcome | None = None
+
+    def of(self, optimizer: torch.optim.Optimizer) -> StepOutcome | None:
+        """``optimizer``'s latest outcome (``None``: it has not stepped)."""
+        return self.get(id(optimizer))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Which optimizers skipped belongs to this object (their ids mean nothing in a copy).
+        last = self.last
+        return (_outcomes_from, (None if last is None else last.settled(),))
+
+
+def _outcomes_from(last: StepOutcome | None) -> StepOutcomes:
+    """A copy's :class:`StepOutcomes`: the latest outcome only."""
+    outcomes = StepOutcomes()
+    outcomes.last = last
+    return outcomes
+
+
 @dataclass(frozen=True)
 class HostState:
     """The state as Python values: what a scaler holds before its first ``scale()``, and what
@@ -294,6 +333,8 @@ class LiveState:
         scale: the loss scale, a 0-dim float32 tensor (``tensors.scale``).
         growth_tracker: torch's growth tracker, a 0-dim int32 tensor.
         counters: the step counters.
+        floor: :data:`~ampscaler.policy.LOWEST_SCALE` as a 0-dim float32 tensor on the device
+            (a clamp to a tensor dispatches faster than one to a Python number).
         device: where the state lives.
         float64: whether the device computes in float64 (MPS and Intel Arc do not).
     """
@@ -304,6 +345,7 @@ class LiveState:
         self.growth_tracker = tensors.growth_tracker
         self.device = self.scale.device
         self.counters = StepCounters(self.scale, stats)
+        self.floor = torch.full((), LOWEST_SCALE, dtype=torch.float32, device=self.device)
         self.float64 = _supports_float64(self.device)
 
     def replace_tensors(self, tensors: PolicyState) -> None:
@@ -332,14 +374,17 @@ class ScalerState:
     Args:
         policy: the policy whose state it holds.
         scale: the starting scale (validated by the caller).
+
+    Attributes:
+        outcomes: the latest step outcomes (:class:`StepOutcomes`).
     """
 
     def __init__(self, policy: Policy, scale: float) -> None:
         self._policy = policy
         self._holds = policy.holds_on_nonfinite_loss  # asked once per policy, not per update
-        self._bound = lowest_after(policy)
         self._host: HostState = HostState(scale)
         self._live: LiveState | None = None
+        self.outcomes = StepOutcomes()
         # Until scale() uses it, the scale is reported as given (not rounded to float32), as
         # torch's get_scale() and state_dict() do before the first scale().
         self._used = False
@@ -350,16 +395,9 @@ class ScalerState:
         self._pending_policy = policy
         self._deferred = False
         self._watch: Pow2Watch | None = None  # made by watch_powers_of_two()
-        # A lower bound on the scale known on the host (0.0: none), and the scale's version
-        # counter when it was known; see _keep_above_floor().
-        self._lowest = float32_value(scale)
-        self._lowest_version = 0
         # The last value of the scale the host read or set, and the version counter the scale
         # was at then (a later write bumps it: the value is then no longer known).
-        self._value = self._lowest
-        self._value_version = 0
-        self._updates = 0  # updates that followed the bound
-        self._renewal: HostCopy | None = None  # a copy of the scale on its way to the host
+        self._seen = (float32_value(scale), 0)
 
     # ------------------------------------------------------------------ the policy
 
@@ -380,7 +418,6 @@ class ScalerState:
         self._apply_pending()
         self._policy = self._pending_policy = policy
         self._holds = policy.holds_on_nonfinite_loss
-        self._bound = lowest_after(policy)
         if self._watch is not None:
             self._watch.set_policy(power_of_two(policy))
 
@@ -483,15 +520,19 @@ class ScalerState:
         compiling: bool | None = None,
     ) -> torch.Tensor:
         """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
-        does not see; and what a measuring policy ``measured``; ``overflowed``: whether
-        ``found_inf > 0``, where the host knows it): move the state by the policy, count it.
+        does not see; and what a measuring policy ``measured``): move the state by the policy,
+        hold the scale at the floor, count the iteration.
+
         A policy that holds on a non-finite loss
         (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
         does not move where the flag ``loss_nonfinite()`` gives is > 0 and the step was
-        skipped (asked for only where the host does not know that it stepped). Returns a
-        copy of the scale the iteration started from: ``start_scale`` (one made already, in
-        any float dtype) or a new one. ``compiling``: whether under
-        ``torch.compile``, where the caller knows it (asked otherwise). No host sync."""
+        skipped (asked for only where the host does not know that it stepped: ``overflowed``
+        is whether ``found_inf > 0``, where the host knows it). Whatever the policy, the scale
+        never ends below :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``): one small
+        device op, the same for every update, that the host needs to know nothing for. Returns
+        a copy of the scale the iteration started from: ``start_scale`` (one made already, in
+        any float dtype) or a new one. ``compiling``: whether under ``torch.compile``, where
+        the caller knows it (asked otherwise). No host sync."""
         if self._deferred:
             self._settle_masked()
         live = self._live
@@ -499,18 +540,6 @@ class ScalerState:
         if self._watch is not None:
             self._watch.before_update()
         old = live.scale.clone() if start_scale is None else start_scale
-        if compiling is None:
-            compiling = torch.compiler.is_compiling()
-        if compiling:
-            known = 0.0  # no bound followed under torch.compile
-        elif (
-            live.scale._version == self._lowest_version
-            and self._renewal is None
-            and self._watch is None
-        ):
-            known = self._lowest  # the common case: no write since, nothing to renew it by
-        else:
-            known = self._known_lowest(live.scale)
         # A policy holds where a non-finite loss skipped the step; a step the host knows went
         # through (no overflow) has nothing to hold, and the loss flag is not made.
         holds = self._holds and overflowed is not False
@@ -519,11 +548,8 @@ class ScalerState:
             self._policy.update_(live.tensors, found_inf, measured)
         else:
             self._update_unless(flag, live, found_inf, measured)
-        self._keep_above_floor(live.scale, known, overflowed, compiling)
-        if compiling:
-            live.counters.count_now(found_inf, old, spiked)
-        else:
-            live.counters.keep(found_inf, old, spiked)
+        live.scale.clamp_min_(live.floor)  # the floor
+        live.counters.record(found_inf, old, spiked, compiling)
         if self._watch is not None:
             self._watch.updated(live.scale)
         return old
@@ -583,7 +609,6 @@ class ScalerState:
             tensors = policy.initial_state(host.scale, self._live.device, host.values())
         self._policy = self._pending_policy = policy
         self._holds = policy.holds_on_nonfinite_loss
-        self._bound = lowest_after(policy)
         if self._live is None or tensors is None:
             self._host = host
             return
@@ -611,8 +636,9 @@ class ScalerState:
             watch.saw(self._host.scale)
             return
         watch.follow(live.scale)
-        if live.scale._version == self._value_version:  # nothing wrote it since it was known
-            watch.saw(self._value)
+        value, version = self._seen
+        if live.scale._version == version:  # nothing wrote it since it was known
+            watch.saw(value)
         else:
             watch.forget(live.scale)
 
@@ -630,7 +656,7 @@ class ScalerState:
         host = self._host
         tensors = self._policy.initial_state(host.scale, device, host.values())
         self._live = LiveState(tensors, host.stats)
-        self._know_value(float32_value(host.scale))
+        self._seen = (float32_value(host.scale), self._live.scale._version)
         self._pending = (self._nothing(device),)
         if self._watch is not None:
             self._watch.follow(self._live.scale)
@@ -644,65 +670,11 @@ class ScalerState:
         return live
 
     def _saw(self, value: float) -> None:
-        """The host learned the scale's value (a copy on its way is older: dropped)."""
-        self._know_value(value)
-        self._renewal = None
+        """The host learned the scale's value."""
+        live = self._live
+        self._seen = (value, 0 if live is None else live.scale._version)
         if self._watch is not None:
             self._watch.saw(value)
-
-    def _know_value(self, value: float) -> None:
-        """The scale is ``value`` now (so at least that), as written (its version counter) by
-        now."""
-        self._lowest = self._value = value
-        if self._live is not None:
-            self._lowest_version = self._value_version = self._live.scale._version
-
-    def _known_lowest(self, scale: torch.Tensor) -> float:
-        """Before an eager update: the bound on ``scale`` the host knows (0.0 when something
-        wrote the scale since: a version counter the bound was not made at), renewed by the
-        watch's bound or by a copy of the scale that has landed."""
-        if scale._version != self._lowest_version:
-            self._renewal = None  # taken before a write from outside: not to be trusted
-            return 0.0
-        if self._watch is not None:  # the watch renews a bound of its own
-            return max(self._lowest, self._watch.lowest())
-        renewal = self._renewal
-        if renewal is None or not renewal.landed():
-            return self._lowest
-        self._renewal = None
-        copied = float(renewal.tolist())
-        for _ in range(self._updates - renewal.at):  # the updates since the copy was taken
-            copied = self._bound(copied, None)
-        return max(self._lowest, copied)
-
-    def _keep_above_floor(
-        self, scale: torch.Tensor, known: float, overflowed: bool | None, compiling: bool
-    ) -> None:
-        """After an update from a scale of at least ``known``: clamp ``scale`` in place at
-        :data:`~ampscaler.policy.LOWEST_SCALE` unless the bound the policy gives
-        (:func:`~ampscaler.policy.derived.lowest_after`) keeps it at twice that or
-        more. No host sync; one device op when it clamps.
-
-        It always clamps under ``torch.compile`` (a Python bound read there would be guarded
-        on) and in a CUDA graph capture (the replays run no Python).
-
-        Where the host never learns whether an iteration overflowed (fused optimizers) the
-        bound falls at every update; below :data:`RENEW_BELOW` a copy of the scale starts on
-        its way to the host without waiting for it, and renews the bound once it has landed
-        (at once on the CPU); with a :class:`~ampscaler.grads.pow2.Pow2Watch`, whose own
-        renewals serve both, none is taken."""
-        if compiling or (scale.is_cuda and torch.cuda.is_current_stream_capturing()):
-            scale.clamp_(min=LOWEST_SCALE)
-            self._lowest = 0.0
-            return
-        lowest = self._bound(known, overflowed)
-        if lowest < 2.0 * LOWEST_SCALE:
-            scale.clamp_(min=LOWEST_SCALE)
-            lowest = max(lowest, LOWEST_SCALE)
-        self._lowest, self._lowest_version = lowest, scale._version
-        self._updates += 1
-        if lowest < RENEW_BELOW and self._renewal is None and self._watch is None:
-            self._renewal = HostCopy(scale, self._updates)  # adopted once landed
 
     def _nothing(self, device: torch.device) -> torch.Tensor:
         # A new tensor each time: one kept and reused would alias the pending flag on the
@@ -736,8 +708,7 @@ class ScalerState:
         for tensor, value in zip(live.tensors, moved, strict=True):
             if value is not tensor:
                 tensor.copy_(torch.where(pending, value, tensor))
-        live.scale.clamp_(min=LOWEST_SCALE)
-        self._lowest = 0.0  # from here on unknown (under torch.compile it is never read)
+        live.scale.clamp_(min=LOWEST_SCALE)  # the floor, as in advance()
         live.counters.count_now(found, old)  # kept iterations would change a compiled guard
         self._pending = (self._nothing(live.device),)
         self._deferred = False
@@ -747,10 +718,16 @@ class ScalerState:
     def __getstate__(self) -> dict[str, Any]:
         # Copies hold the values on the host; the device state is made again at the next
         # scale(). A pending update is applied first (snapshot() settles).
-        return {"policy": self._policy, "host": self.snapshot(), "watch": self._watch is not None}
+        return {
+            "policy": self._policy,
+            "host": self.snapshot(),
+            "watch": self._watch is not None,
+            "outcomes": self.outcomes,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["policy"], state["host"].scale)  # type: ignore[misc]
         self._host = state["host"]
+        self.outcomes = state["outcomes"]
         if state["watch"]:
             self.watch_powers_of_two()

@@ -9,23 +9,22 @@ parameters come out bit for bit as with torch's scaler (see :meth:`GradScaler.st
 
 :class:`Pow2Watch` knows this without reading the scale. A scale that starts as a power of two
 stays one under a policy whose factors and bounds are powers of two (``update()`` only
-multiplies by the factors and clamps to the bounds). Its exponent can fall by at most
-``log2(1/backoff_factor)`` per ``update()``, so the watch keeps a lower bound on it from the
-last value it saw. Each time the host reads or sets the scale anyway (``get_scale()``,
-``state_dict()``, ``update(new_scale)``, loading a state dict) the bound is renewed for free.
-Left alone, the bound would fall below ``2**-126`` after some 140 updates at torch's defaults;
-before it does (below ``2**-64``), the watch copies the scale to the host without waiting for
-it (on CUDA: into pinned memory, with an event it polls; on the CPU the value is at hand) and
-renews the bound from that copy once it has landed. So no update ever waits for the device.
+multiplies by the factors and clamps to the bounds), and every update leaves it at or above
+``2**-126`` (the scaler's floor) and below float32's infinity: after an update, a power of two
+is always one with an exact reciprocal. So the watch only follows whether the scale is a power
+of two: from the values the host reads or sets anyway (``get_scale()``, ``state_dict()``,
+``update(new_scale)``, loading a state dict) and the policy's promise to keep one. No update
+ever reads the device for it.
 
 The watch follows the scale through the scaler's methods. A write from outside them (torch's
 private ``scaler._scale.fill_(...)``, a captured graph's) is seen on the host without reading
 the device: every in-place write bumps the tensor's version counter, so a version the watch did
 not see is a write it did not follow, and nothing is known again until a copy of the scale
-(taken then, without waiting) has landed. Anything it cannot vouch for (a policy that may leave
-the powers of two, see :attr:`Policy.power_of_two <ampscaler.Policy.power_of_two>`; a scale
-set to a value that is not a power of two; a device other than the CPU or CUDA) makes it
-answer ``False``, and the fused path then checks and unscales exactly as torch does.
+(taken then, without waiting: on CUDA into pinned memory, with an event it polls; on the CPU at
+once) has landed. Anything it cannot vouch for (a policy that may leave the powers of two, see
+:attr:`Policy.power_of_two <ampscaler.Policy.power_of_two>`; a scale set to a value that is not
+a power of two; a device other than the CPU or CUDA) makes it answer ``False``, and the fused
+path then checks and unscales exactly as torch does.
 
 Example:
     >>> import torch
@@ -52,25 +51,26 @@ __all__ = ["Pow2Watch", "pow2_exponent"]
 
 #: The smallest exponent whose reciprocal float32 holds as a normal number.
 LOWEST_EXACT = -126
-#: Below this bound the watch starts copying the scale to the host to renew the bound.
-RENEW_BELOW = -64
 
 
 class Pow2Watch:
     """Whether the scale is known to be a power of two with an exact float32 reciprocal.
 
     Args:
-        rule: how the policy in force keeps powers of two (its ``power_of_two``; see
-            :meth:`set_policy` for changes). Nothing is known until :meth:`use_device`.
+        rule: how the policy in force keeps powers of two (its ``power_of_two``, ``None``: it
+            may leave them; see :meth:`set_policy` for changes). Nothing is known until
+            :meth:`use_device`.
     """
 
     def __init__(self, rule: PowerOfTwo | None) -> None:
         self._device_ok = False
+        # Whether the scale is known to be a power of two (of any exponent), and known to be
+        # one with an exact reciprocal (at least 2**-126: so after any update that may lower
+        # it, which holds it at the floor).
+        self._pow2 = self._exact = False
+        self._keeps = self._lowers = False
+        self.set_policy(rule)
         self._updates = 0
-        # A lower bound on the scale's exponent as of update number _known_at (None: the
-        # scale is not known to be a power of two).
-        self._known: int | None = None
-        self._known_at = 0
         self._pending: HostCopy | None = None
         self._forgotten: torch.Tensor | None = None  # the scale, to copy once it is read again
         # The scale tensor followed (see follow()) and its version as of the last write or read
@@ -78,9 +78,6 @@ class Pow2Watch:
         self._scale: torch.Tensor | None = None
         self._version = 0
         self._pending_version = 0
-        self._drop: int | None = None
-        self._floor: int | None = None
-        self.set_policy(rule)
 
     def use_device(self, device: torch.device) -> None:
         """The scale lives on ``device`` (the watch vouches for the CPU and CUDA only)."""
@@ -113,16 +110,14 @@ class Pow2Watch:
 
     def set_policy(self, rule: PowerOfTwo | None) -> None:
         """Use the policy whose ``power_of_two`` is ``rule`` for the updates from now on."""
-        self._renew_from_bound()
-        self._drop = None if rule is None else rule.drop
-        self._floor = None if rule is None else rule.floor
-        if self._drop is None:
-            self._known = None
+        self._keeps = rule is not None
+        self._lowers = rule is not None and rule.drop > 0
+        self._pow2 = self._pow2 and self._keeps
+        self._exact = self._exact and self._keeps
 
     def saw(self, value: float) -> None:
         """The host read (or set) the scale's current value: ``value``."""
-        self._known = pow2_exponent(value) if self._drop is not None else None
-        self._known_at = self._updates
+        self._learn(value, updated=False)
         self._pending = None
         self._forgotten = None
         self._seen_now()
@@ -132,18 +127,19 @@ class Pow2Watch:
         under ``torch.compile``, where counting would be guarded on): nothing is known until
         the next :meth:`saw`, or until a copy of ``scale`` taken at the next :attr:`exact`
         has landed (at once on the CPU)."""
-        self._known = None
+        self._pow2 = self._exact = False
         self._pending = None
         self._forgotten = scale
 
     def updated(self, scale: torch.Tensor) -> None:
-        """One ``update()`` ran; ``scale`` is the new scale tensor (on the device)."""
+        """One ``update()`` ran; ``scale`` is the new scale tensor. A power of two stays one
+        (the policy keeps them); one that a policy may lower is held at or above the floor
+        by the update, so it now has an exact reciprocal (a scale a policy never lowers keeps
+        what it had)."""
         self._updates += 1
+        self._exact = self._pow2 and (self._exact or self._lowers)
         if self._forgotten is None:  # a write from outside before it: followed by nothing
             self._seen_now()
-        bound = self._bound()
-        if bound is not None and bound < RENEW_BELOW and self._pending is None:
-            self._copy(scale)  # adopted by `exact` once landed
 
     @property
     def exact(self) -> bool:
@@ -157,20 +153,14 @@ class Pow2Watch:
             self._copy(self._forgotten)
             self._forgotten = None
         self._adopt_landed()
-        bound = self._bound()
-        return bound is not None and bound >= LOWEST_EXACT
+        return self._exact
 
-    def lowest(self) -> float:
-        """A lower bound on the scale now, as this watch knows it (``0.0``: none)."""
-        bound = self._bound()
-        return 0.0 if bound is None else 2.0**bound
-
-    def _bound(self) -> int | None:
-        """A lower bound on the scale's exponent now (``None``: not known to be a power of 2)."""
-        if self._known is None or self._drop is None:
-            return None
-        bound = self._known - self._drop * (self._updates - self._known_at)
-        return bound if self._floor is None else max(bound, self._floor)
+    def _learn(self, value: float, updated: bool) -> None:
+        """The scale was ``value`` (``updated``: and an update has run since)."""
+        exponent = pow2_exponent(value)
+        self._pow2 = self._keeps and exponent is not None
+        normal = exponent is not None and exponent >= LOWEST_EXACT
+        self._exact = self._pow2 and (updated or normal)
 
     def _copy(self, scale: torch.Tensor) -> None:
         """Start copying ``scale`` to the host without waiting (adopted once landed)."""
@@ -181,15 +171,7 @@ class Pow2Watch:
         pending = self._pending
         if pending is not None and pending.landed():
             self._pending = None
-            if self._drop is not None:
-                self._known = pow2_exponent(float(pending.tolist()))
-                self._known_at = pending.at
+            since = self._lowers and self._updates > pending.at  # held at the floor since
+            self._learn(float(pending.tolist()), updated=since)
             if self._scale is not None:  # writes after the copy are still unseen
                 self._version = self._pending_version
-
-    def _renew_from_bound(self) -> None:
-        # Before the factors change, fold the updates so far into the bound: the new backoff
-        # factor only applies to the updates that come after.
-        self._known = self._bound()
-        self._known_at = self._updates
-        self._pending = None

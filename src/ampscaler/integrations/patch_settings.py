@@ -82,7 +82,7 @@ class PatchSettings:
         for guard in self.guards:
             scaler.attach(_call(guard)())
         for sink in self.sinks:
-            scaler.add_sink(_call(sink)())
+            scaler.attach(_call(sink)())
         if self.configure is not None:
             _call(self.configure)(scaler)
 

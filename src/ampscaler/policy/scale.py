@@ -177,14 +177,6 @@ class ScalePolicy(Policy):
         """``not backoff_on_nonfinite_loss``."""
         return not self.backoff_on_nonfinite_loss
 
-    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
-        """Only an overflow lowers the scale, by ``backoff_factor`` at most (and not below
-        ``min_scale``); a margin of ``2**-20`` covers float32's rounding of the product."""
-        if overflowed is False:
-            return scale
-        lowered = scale * self.backoff_factor * (1.0 - 2.0**-20)
-        return lowered if self.min_scale is None else max(lowered, self.min_scale)
-
     def _bound(self, name: str) -> float | None:
         bound = getattr(self, name)
         if bound is None:
@@ -217,7 +209,7 @@ class ScalePolicy(Policy):
         float tensor on the state's device holding a count of non-finite checks (``>= 0``), as
         the gradient check produces it. ``measured`` is not used. The scale it returns is at
         least ``2**-126``, as the pseudo-code says (:meth:`update_` leaves that clamp to the
-        scaler, which applies it only where :meth:`lowest_after` cannot rule it out).
+        scaler, which holds every policy's scale there).
 
         With torch's rule (``hysteresis=1``, no bounds) and a float32 ``found_inf``, the
         transition is torch's own fused kernel ``torch._amp_update_scale_`` run on copies of the
@@ -272,8 +264,8 @@ class ScalePolicy(Policy):
         """Apply the rule to ``state`` in place: its tensors keep their identity.
 
         With torch's rule this is one call of torch's fused kernel on the live tensors. Either
-        way the scaler keeps the scale at or above ``2**-126`` (see :meth:`lowest_after`). No
-        host sync.
+        way the scaler then holds the scale at or above ``2**-126`` (one clamp, whatever the
+        policy). No host sync.
         """
         if self._torch_kernel and found_inf.dtype == torch.float32:
             torch._amp_update_scale_(
@@ -339,10 +331,6 @@ class StaticPolicy(Policy):
         >>> scaler.policy
         StaticPolicy()
     """
-
-    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
-        """The scale never moves."""
-        return scale
 
     def update_(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
