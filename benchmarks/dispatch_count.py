@@ -475,7 +475,7 @@ def headroom_unmeasured() -> Row:
     return compare(
         "HeadroomPolicy unmeasured", torch_scaler,
         our_scaler(policy=policy), sgd, watch=True, counted=2,
-        note="torch has no measuring policy", adds=5,
+        note="torch has no measuring policy", adds=3,
     )  # fmt: skip
 
 
@@ -487,7 +487,7 @@ def headroom_measured() -> Row:
         "HeadroomPolicy measured", torch_scaler,
         our_scaler(policy=policy), sgd, watch=True, iterations=6,
         note="torch has no measuring policy; scaler.watch(model): taps in the backward",
-        adds=77,
+        adds=75,
     )  # fmt: skip
 
 
@@ -506,7 +506,7 @@ def spike_guard() -> Row:
         sgd,
         iterations=10,
         note="torch has no spike guard",
-        adds=26,
+        adds=21,
     )
 
 

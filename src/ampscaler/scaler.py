@@ -1320,13 +1320,11 @@ class GradScaler(TorchPrivateNames):
         if isinstance(plugin, Hook):
             self._hooks.add(plugin)
         elif not any(hook.adopt(plugin) for hook in self._hooks):
-            if not isinstance(plugin, Sink):
-                raise TypeError(
-                    "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
-                    "GradientProbe, a NonFiniteTracer, a CollapseWatch or a sink (an object "
-                    f"with write(record), what add_sink() took), got {type(plugin).__name__}."
-                )
-            self._observers.add_sink(plugin)
+            raise TypeError(
+                "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
+                "GradientProbe, a NonFiniteTracer, a CollapseWatch or a sink (an object "
+                f"with write(record), what add_sink() took), got {type(plugin).__name__}."
+            )
         return plugin
 
     def detach(self, plugin: object) -> None:
@@ -1339,14 +1337,8 @@ class GradScaler(TorchPrivateNames):
         if isinstance(plugin, Hook):
             self._hooks.remove(plugin)
             return
-        if any(hook.release(plugin) for hook in self._hooks):
-            return
-        try:
-            self._observers.remove_sink(plugin)  # type: ignore[arg-type]
-        except ValueError:
-            raise ValueError(
-                f"{plugin!r} is not attached to this scaler; see scaler.attach()."
-            ) from None
+        if not any(hook.release(plugin) for hook in self._hooks):
+            raise ValueError(f"{plugin!r} is not attached to this scaler; see scaler.attach().")
 
     def add_guard(self, guard: PluginT) -> PluginT:
         """Deprecated: :meth:`attach` takes guards."""

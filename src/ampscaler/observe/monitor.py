@@ -141,7 +141,8 @@ class Monitor(Hook):
 
     def adopt(self, plugin: object) -> bool:
         """Attach ``plugin`` if it is a probe or a tracer (one of each), which taps the models
-        watched so far and from now on, or a collapse watch, which replaces the one in place.
+        watched so far and from now on, a collapse watch, which replaces the one in place, or a
+        sink, which gets every step record.
 
         Raises:
             InvalidConfigError: (a ``ValueError``) a probe or tracer is attached already.
@@ -164,12 +165,22 @@ class Monitor(Hook):
                     "every watched model."
                 )
             self._tracer = plugin
+        elif isinstance(plugin, Sink):
+            self.add_sink(plugin)
+            return True
         else:
             return False
         self.changed()
         if self._enabled:
             for model, prefix in self._models:
                 plugin.watch(model, prefix)
+        return True
+
+    def release(self, plugin: object) -> bool:
+        """Stop sending records to ``plugin`` if it is one of the sinks (it is not closed)."""
+        if not any(sink is plugin for sink in self._sinks):
+            return False
+        self.remove_sink(plugin)  # type: ignore[arg-type]
         return True
 
     def on(self, event: str, fn: Callback) -> Callable[[], None]:
