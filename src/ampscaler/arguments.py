@@ -36,7 +36,7 @@ DEFAULT_INIT_SCALE = 2.0**16
 
 #: The constructor options ampscaler 0.1.0 took and 0.2.0 removed, with what replaces each.
 REMOVED_OPTIONS = {
-    "history_size": "scaler.add_sink(ampscaler.StepHistory(N))",
+    "history_size": "scaler.attach(ampscaler.StepHistory(N))",
     "probe_every": "scaler.attach(ampscaler.GradientProbe(every=N))",
     "trace_nonfinite": "scaler.attach(ampscaler.NonFiniteTracer()) and scaler.watch(model)",
     "dynamic": "GradScaler(..., policy=ampscaler.StaticPolicy()) for a scale that never moves",

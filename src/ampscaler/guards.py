@@ -11,7 +11,7 @@ Everything stays on the device: a guard turns measurements into a flag with tens
 so on the fused-optimizer path a guarded step still makes no host sync. Guards are the
 composition point for skip rules: anything with ``check(measured) -> flag`` and
 ``end_iteration(skipped)`` (the :class:`Guard` protocol) can be added with
-:meth:`GradScaler.add_guard <ampscaler.GradScaler.add_guard>`.
+:meth:`GradScaler.attach <ampscaler.GradScaler.attach>`.
 
 :class:`SpikeGuard` skips a step when the loss or the gradient norm exceeds the mean plus
 ``sigma`` standard deviations of the last ``window`` steps that were taken, as OLMo-core's
@@ -22,7 +22,7 @@ Example:
     >>> model = torch.nn.Linear(4, 1)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.01)
     >>> scaler = ampscaler.GradScaler("cpu", init_scale=256.0)
-    >>> guard = scaler.add_guard(ampscaler.SpikeGuard(sigma=6.0, window=8))
+    >>> guard = scaler.attach(ampscaler.SpikeGuard(sigma=6.0, window=8))
     >>> torch.manual_seed(0) is not None
     True
     >>> for step in range(12):
@@ -33,7 +33,7 @@ Example:
     ...     scaler.update()
     ...     opt.zero_grad()
     ...     if scaler.last_step_skipped:
-    ...         print(step, scaler.last_skip_reason, scaler.get_scale())
+    ...         print(step, scaler.last_overflow or "spike", scaler.get_scale())
     10 spike 256.0
 """
 
@@ -201,9 +201,10 @@ class SpikeGuard:
     cannot raise the bar for the next one). Each optimizer's gradient norm has its own window.
     The decision is a flag on the device: with a fused optimizer it joins the inf flag handed
     to the kernel, and nothing waits for the device. A spike-skipped step does not back the
-    scale off (the scale was not the problem); it is counted in ``stats.spike_skips``, and
-    :attr:`GradScaler.last_skip_reason <ampscaler.GradScaler.last_skip_reason>` says
-    ``"spike"``.
+    scale off (the scale was not the problem); it is counted in ``metrics()["scaler/spike_skips"]``, and
+    :attr:`GradScaler.last_step_skipped <ampscaler.GradScaler.last_step_skipped>` is true while
+    :attr:`GradScaler.last_overflow <ampscaler.GradScaler.last_overflow>` is ``None`` (no
+    gradient overflowed).
 
     Cost on every step: one read-only pass over the gradients (``torch._foreach_norm``: on a
     GPU one multi-tensor kernel per chunk of tensors, on a CPU one ``vector_norm`` per tensor),
@@ -379,7 +380,7 @@ class GuardSet(Hook):
         """
         if not isinstance(guard, Guard):
             raise TypeError(
-                f"add_guard() takes a guard (an object with check(measured) and "
+                f"attach() takes a guard (an object with check(measured) and "
                 f"end_iteration(skipped), such as ampscaler.SpikeGuard), got "
                 f"{type(guard).__name__}."
             )

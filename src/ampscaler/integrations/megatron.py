@@ -74,7 +74,7 @@ class MegatronScaler:
             was scaled by.
 
     Attributes:
-        scaler: the :class:`~ampscaler.GradScaler`: ``metrics()``, ``add_sink()``,
+        scaler: the :class:`~ampscaler.GradScaler`: ``metrics()``, ``attach()``,
             ``on("collapse", ...)``, ``get_scale()``.
 
     Example:

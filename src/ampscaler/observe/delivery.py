@@ -55,7 +55,7 @@ class Delivery:
             warn_at_caller(
                 f"{who!r} raised {type(error).__name__}: {error}{at}. The other sinks and "
                 "callbacks were served, and it will still be called at the next steps; this "
-                "is reported once. Fix it, or detach it (scaler.remove_sink(sink), or the "
+                "is reported once. Fix it, or detach it (scaler.detach(sink), or the "
                 "function scaler.on() returned).",
                 SinkWarning,
             )

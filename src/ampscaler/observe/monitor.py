@@ -215,7 +215,7 @@ class Monitor(Hook):
     def remove_sink(self, sink: Sink) -> None:
         """Stop sending records to ``sink`` (it is not closed)."""
         if sink not in self._sinks:
-            raise ValueError(f"{sink!r} is not attached to this scaler; see scaler.add_sink().")
+            raise ValueError(f"{sink!r} is not attached to this scaler; see scaler.attach().")
         self._sinks.remove(sink)
         self.changed()
 

@@ -207,7 +207,7 @@ def load_log(path: str | Path) -> StepLog:
     if not records:
         raise LogFormatError(
             f"{path} holds no step records (it is empty); records are written at each "
-            "scaler.update() once a JsonlSink is attached with scaler.add_sink()."
+            "scaler.update() once a JsonlSink is attached with scaler.attach()."
         )
     return StepLog(records, cut_short)
 

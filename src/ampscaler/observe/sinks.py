@@ -1,7 +1,7 @@
 """Where step records go: memory, a JSONL file, TensorBoard, Python ``logging``.
 
 A sink is any object with ``write(record)`` (the :class:`Sink` protocol); attach it with
-``scaler.add_sink(sink)`` and it receives a :class:`~ampscaler.StepRecord` at the end of every
+``scaler.attach(sink)`` and it receives a :class:`~ampscaler.StepRecord` at the end of every
 ``update()``. Attaching a sink makes ``update()`` read the step's outcome from the device: one
 host sync per iteration.
 
@@ -9,12 +9,12 @@ Example:
     >>> import logging, tempfile, torch
     >>> from ampscaler import GradScaler, JsonlSink, LoggingSink, StepHistory
     >>> scaler = GradScaler("cpu")
-    >>> history = scaler.add_sink(StepHistory(1000))     # scaler.history reads it
+    >>> history = scaler.attach(StepHistory(1000))       # history.records reads it
     >>> folder = tempfile.mkdtemp()
-    >>> jsonl = scaler.add_sink(JsonlSink(f"{folder}/steps.jsonl"))
-    >>> logged = scaler.add_sink(LoggingSink("train.scaler", level=logging.DEBUG))
+    >>> jsonl = scaler.attach(JsonlSink(f"{folder}/steps.jsonl"))
+    >>> logged = scaler.attach(LoggingSink("train.scaler", level=logging.DEBUG))
     >>> # TensorBoard (pip install 'ampscaler[tensorboard]'):
-    >>> # scaler.add_sink(TensorBoardSink("runs/exp1"))
+    >>> # scaler.attach(TensorBoardSink("runs/exp1"))
     >>> jsonl.close()
 """
 
@@ -43,7 +43,7 @@ _LONGEST = sys.maxsize
 
 @runtime_checkable
 class Sink(Protocol):
-    """Anything with ``write(record)``: what ``scaler.add_sink()`` takes."""
+    """Anything with ``write(record)``: what ``scaler.attach()`` takes."""
 
     def write(self, record: StepRecord) -> None:
         """Take one step record (called at the end of ``update()``)."""
@@ -52,7 +52,7 @@ class Sink(Protocol):
 class StepHistory:
     """Keeps the last ``maxlen`` step records in memory.
 
-    ``scaler.history`` reads the first one attached (``scaler.add_sink(StepHistory(N))``).
+    Attach it with ``history = scaler.attach(StepHistory(N))`` and read ``history.records``.
     Copies of a scaler keep it (with its records), unlike other sinks.
 
     Args:
@@ -118,7 +118,7 @@ class JsonlSink:
         >>> from ampscaler import GradScaler, JsonlSink
         >>> scaler = GradScaler("cpu")
         >>> with JsonlSink(f"{tempfile.mkdtemp()}/steps.jsonl") as sink:
-        ...     _ = scaler.add_sink(sink)
+        ...     _ = scaler.attach(sink)
         ...     # ... train ...
     """
 
@@ -144,7 +144,7 @@ class JsonlSink:
         if self._file.closed:
             raise ValueError(
                 f"{self!r} was closed and cannot write step {record.step}: remove it with "
-                "scaler.remove_sink(sink) before closing it, or close it after training."
+                "scaler.detach(sink) before closing it, or close it after training."
             )
         try:
             self._file.write(line + "\n")
@@ -191,7 +191,7 @@ class TensorBoardSink:
         >>> import tempfile
         >>> from ampscaler import GradScaler, TensorBoardSink
         >>> scaler = GradScaler("cpu")
-        >>> sink = scaler.add_sink(TensorBoardSink(tempfile.mkdtemp()))
+        >>> sink = scaler.attach(TensorBoardSink(tempfile.mkdtemp()))
         >>> sink.close()
     """
 
@@ -277,8 +277,8 @@ class LoggingSink:
     Example:
         >>> from ampscaler import GradScaler, LoggingSink
         >>> scaler = GradScaler("cpu")
-        >>> _ = scaler.add_sink(LoggingSink("train.scaler"))
-        >>> _ = scaler.add_sink(LoggingSink("train.summary", every=1000))
+        >>> _ = scaler.attach(LoggingSink("train.scaler"))
+        >>> _ = scaler.attach(LoggingSink("train.summary", every=1000))
 
     Raises:
         InvalidConfigError: (a ``ValueError``) ``every`` not an int >= 1, or ``warn_rate``
