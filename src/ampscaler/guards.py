@@ -201,7 +201,8 @@ class SpikeGuard:
     cannot raise the bar for the next one). Each optimizer's gradient norm has its own window.
     The decision is a flag on the device: with a fused optimizer it joins the inf flag handed
     to the kernel, and nothing waits for the device. A spike-skipped step does not back the
-    scale off (the scale was not the problem); it is counted in ``metrics()["scaler/spike_skips"]``, and
+    scale off (the scale was not the problem); it is counted in
+    ``metrics()["scaler/spike_skips"]``, and
     :attr:`GradScaler.last_step_skipped <ampscaler.GradScaler.last_step_skipped>` is true while
     :attr:`GradScaler.last_overflow <ampscaler.GradScaler.last_overflow>` is ``None`` (no
     gradient overflowed).

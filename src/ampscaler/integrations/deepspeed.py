@@ -162,12 +162,6 @@ class DeepSpeedPolicy(Policy):
         for field, value in zip(dataclasses.fields(self), values, strict=True):
             object.__setattr__(self, field.name, value)  # plain Python numbers from here on
 
-    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
-        """Only an overflow lowers the scale, by half at most, never below ``min_scale``."""
-        if overflowed is False:
-            return scale
-        return max(scale * 0.5 * (1.0 - 2.0**-20), self.min_scale)
-
     def initial_state(
         self, scale: float, device: torch.device, values: Mapping[str, Any] | None = None
     ) -> DeepSpeedState:

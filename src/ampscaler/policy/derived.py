@@ -16,8 +16,8 @@ dataclass and one method:
   values. The built-in policies keep the layout of ampscaler 0.1 (the rule's keys beside
   torch's, a :class:`~ampscaler.HeadroomPolicy`'s section named ``headroom``), so that older
   checkpoints load;
-- **powers of two** and **a bound on the next scale**: optional extras a policy may define
-  (``power_of_two``, ``lowest_after``; the built-in policies do), read here where present.
+- **powers of two**: an optional extra a policy may define (``power_of_two``; the built-in
+  policies do), read here where present.
 
 Example:
     >>> from ampscaler import ScalePolicy
@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidConfigError, ScalerUsageError
@@ -45,7 +45,6 @@ __all__ = [
     "compared_settings",
     "from_checkpoint",
     "from_torch_dict",
-    "lowest_after",
     "policy_fields",
     "policy_name",
     "power_of_two",
@@ -145,21 +144,6 @@ def power_of_two(policy: Policy) -> PowerOfTwo | None:
     assumed exact in float32 (the opt-in one-pass route takes torch's route)."""
     rule: PowerOfTwo | None = getattr(policy, "power_of_two", None)
     return rule
-
-
-def lowest_after(policy: Policy) -> Callable[[float, bool | None], float]:
-    """``bound(scale, overflowed)``: a lower bound on the scale one update of ``policy``
-    leaves, from a scale of at least ``scale`` (``overflowed``: whether the iteration's
-    gradients held inf/NaN, where the host knows it), where the policy gives one (an optional
-    extra, ``lowest_after``: the built-in policies have it); ``0.0``, no bound, otherwise. The
-    scaler clamps the scale at ``2**-126`` after every update this bound cannot keep above
-    twice that."""
-    bound: Callable[[float, bool | None], float] | None = getattr(policy, "lowest_after", None)
-    return _no_bound if bound is None else bound
-
-
-def _no_bound(scale: float, overflowed: bool | None) -> float:
-    return 0.0
 
 
 def _flat_settings(policy: Policy) -> dict[str, Any]:

@@ -374,10 +374,6 @@ class HeadroomPolicy(Policy):
         )
         return values
 
-    def lowest_after(self, scale: float, overflowed: bool | None) -> float:
-        """Never below ``2**exponents[0]`` (at least ``2**-126``): its update clamps there."""
-        return 2.0 ** self.exponents[0]
-
     @property
     def holds_on_nonfinite_loss(self) -> bool:
         """``True``: an iteration whose loss was already inf/NaN before scaling (bad data, a
