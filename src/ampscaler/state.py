@@ -147,16 +147,7 @@ class StepCounters:
         """
         if compiling or (compiling is None and torch.compiler.is_compiling()):
             self.count_now(found_inf, old_scale, spiked)
-        else:
-            self.keep(found_inf, old_scale, spiked)
-
-    def keep(
-        self,
-        found_inf: torch.Tensor,
-        old_scale: torch.Tensor,
-        spiked: torch.Tensor | None = None,
-    ) -> None:
-        """:meth:`record`, eagerly: the iteration is kept for a later fold."""
+            return
         self._found.append(found_inf)
         # Guard flags are kept only from the first one on (then in step with _found).
         if spiked is not None and not self._spiked:
