@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
@@ -161,9 +161,11 @@ def _known_overflow(record: OptimizerRecord) -> bool | None:
     return bool(outcome._found_inf)
 
 
-@dataclass
+@dataclass(init=False)
 class Iteration:
-    """One iteration's records, losses and outcome (module docstring).
+    """One iteration's records, losses and outcome (module docstring). Made empty, by every
+    ``update()``: only its containers are made; the other fields start as their class
+    defaults (half the cost of a generated ``__init__``).
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
@@ -194,8 +196,10 @@ class Iteration:
             ``(work, verdict, agreed flag)`` (:class:`~ampscaler.distributed.RankAgreement`).
     """
 
-    records: dict[int, OptimizerRecord] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)
+    records: dict[int, OptimizerRecord]
+    losses: list[torch.Tensor]
+    notes: dict[str, Any]
+    launched: list[Any]
     scale: torch.Tensor | None = None
     start_scale: torch.Tensor | None = None
     loss_nonfinite: torch.Tensor | None = None
@@ -207,8 +211,8 @@ class Iteration:
     losses_summed: bool = False  # a long accumulation's losses were summed into one
     measured: torch.Tensor | None = None
     by_policy: bool = True
-    notes: dict[str, Any] = field(default_factory=dict)
-    launched: list[Any] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.records, self.losses, self.notes, self.launched = {}, [], {}, []
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
