@@ -211,6 +211,7 @@ class Iteration:
     losses_summed: bool = False  # a long accumulation's losses were summed into one
     measured: torch.Tensor | None = None
     by_policy: bool = True
+
     def __init__(self) -> None:
         self.records, self.losses, self.notes, self.launched = {}, [], {}, []
 
