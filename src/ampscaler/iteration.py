@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
@@ -161,11 +161,9 @@ def _known_overflow(record: OptimizerRecord) -> bool | None:
     return bool(outcome._found_inf)
 
 
-@dataclass(init=False)
+@dataclass
 class Iteration:
-    """One iteration's records, losses and outcome (module docstring). Made empty, by every
-    ``update()``: only its containers are made; the other fields start as their class
-    defaults (half the cost of a generated ``__init__``).
+    """One iteration's records, losses and outcome (module docstring).
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
@@ -196,10 +194,8 @@ class Iteration:
             ``(work, verdict, agreed flag)`` (:class:`~ampscaler.distributed.RankAgreement`).
     """
 
-    records: dict[int, OptimizerRecord]
-    losses: list[torch.Tensor]
-    notes: dict[str, Any]
-    launched: list[Any]
+    records: dict[int, OptimizerRecord] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
     scale: torch.Tensor | None = None
     start_scale: torch.Tensor | None = None
     loss_nonfinite: torch.Tensor | None = None
@@ -211,9 +207,8 @@ class Iteration:
     losses_summed: bool = False  # a long accumulation's losses were summed into one
     measured: torch.Tensor | None = None
     by_policy: bool = True
-
-    def __init__(self) -> None:
-        self.records, self.losses, self.notes, self.launched = {}, [], {}, []
+    notes: dict[str, Any] = field(default_factory=dict)
+    launched: list[Any] = field(default_factory=list)
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
