@@ -374,7 +374,8 @@ class ScalerState:
     """
 
     def __init__(self, policy: Policy, scale: float) -> None:
-        self._adopt(policy)
+        self._policy = policy
+        self._holds = policy.holds_on_nonfinite_loss  # asked once per policy, not per update
         self._host: HostState = HostState(scale)
         self._live: LiveState | None = None
         self.outcomes = StepOutcomes()
@@ -385,6 +386,7 @@ class ScalerState:
         # (made with the live state: always one flag or more, so a compiled read of it is
         # guarded on the same length every step).
         self._pending: tuple[torch.Tensor, ...] = ()
+        self._pending_policy = policy
         self._deferred = False
         self._watch: Pow2Watch | None = None  # made by watch_powers_of_two()
         # The last value of the scale the host read or set, and the version counter the scale
@@ -408,17 +410,10 @@ class ScalerState:
         """
         policy = with_rule(self._policy, funcname, **changes)
         self._apply_pending()
-        self._adopt(policy)
-        if self._watch is not None:
-            self._watch.set_policy(power_of_two(policy))
-
-    def _adopt(self, policy: Policy) -> None:
-        """Use ``policy`` from now on; what the updates ask of it is asked here, once."""
         self._policy = self._pending_policy = policy
         self._holds = policy.holds_on_nonfinite_loss
-        # A policy that says a clean update never lowers its scale (torch's rule does not)
-        # leaves the floor nothing to hold after one: see advance().
-        self._clean_keeps_floor: bool = getattr(policy, "lowers_only_on_overflow", False)
+        if self._watch is not None:
+            self._watch.set_policy(power_of_two(policy))
 
     # ------------------------------------------------------------------ reads (settled)
 
@@ -528,11 +523,7 @@ class ScalerState:
         skipped (asked for only where the host does not know that it stepped: ``overflowed``
         is whether ``found_inf > 0``, where the host knows it). Whatever the policy, the scale
         never ends below :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``): one small
-        device op (a clamp, some 0.8 us on one CPU thread, as much as torch's whole update
-        kernel) in every update that may have lowered the scale. The host needs to know
-        nothing for it; only where it knows the iteration was clean and the policy says a clean
-        update never lowers the scale (``lowers_only_on_overflow``, as torch's rule and
-        :class:`~ampscaler.StaticPolicy` do) is there nothing to hold. Returns
+        device op, the same for every update, that the host needs to know nothing for. Returns
         a copy of the scale the iteration started from: ``start_scale`` (one made already, in
         any float dtype) or a new one. ``compiling``: whether under ``torch.compile``, where
         the caller knows it (asked otherwise). No host sync."""
@@ -551,8 +542,7 @@ class ScalerState:
             self._policy.update_(live.tensors, found_inf, measured)
         else:
             self._update_unless(flag, live, found_inf, measured)
-        if overflowed is not False or not self._clean_keeps_floor:
-            live.scale.clamp_min_(live.floor)  # the floor
+        live.scale.clamp_min_(live.floor)  # the floor
         live.counters.record(found_inf, old, spiked, compiling)
         if self._watch is not None:
             self._watch.updated(live.scale)
@@ -611,7 +601,8 @@ class ScalerState:
         tensors = None
         if self._live is not None:  # made first: if the policy refuses the values, nothing changed
             tensors = policy.initial_state(host.scale, self._live.device, host.values())
-        self._adopt(policy)
+        self._policy = self._pending_policy = policy
+        self._holds = policy.holds_on_nonfinite_loss
         if self._live is None or tensors is None:
             self._host = host
             return

@@ -140,9 +140,6 @@ class ScalePolicy(Policy):
     backoff_on_nonfinite_loss: bool = True
 
     _torch_kernel: ClassVar[bool]  # set per instance by __post_init__
-    #: A clean update never lowers the scale (growth_factor > 1, max_scale >= the scale): the
-    #: scaler holds the floor only after an update that may have backed off.
-    lowers_only_on_overflow: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         growth = require_number("growth_factor", self.growth_factor)
@@ -334,9 +331,6 @@ class StaticPolicy(Policy):
         >>> scaler.policy
         StaticPolicy()
     """
-
-    #: Nothing moves: the scaler has no floor to hold after its updates.
-    lowers_only_on_overflow: ClassVar[bool] = True
 
     def update_(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
