@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import warnings
@@ -49,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from .distributed import RankAgreement
 from .errors import InvalidConfigError, InvalidStateDictError
 from .grads.collect import GradGroups
 from .hooks import Check, Hook
@@ -412,68 +412,43 @@ class GuardSet(Hook):
         """``guards``: :meth:`state_dict`."""
         return {"guards": self.state_dict()}
 
-    def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None] | None:
-        """The guards' part of a state dict (``guards``), when it has one."""
-        return self.prepare_load_text(state_dict["guards"]) if "guards" in state_dict else None
-
     def moments(self) -> list[str]:
         """Due at the check and the update while it holds a guard; never when empty."""
         return ["after_check", "after_update"] if self.active else []
 
-    def check(
-        self,
-        optimizer: torch.optim.Optimizer,
-        groups: GradGroups,
-        unscaled_by: torch.Tensor,
-        loss: torch.Tensor | None,
-        agreement: RankAgreement | None,
-    ) -> torch.Tensor:
-        """Ask every guard about ``optimizer``'s step; the flag (0-dim float32, 1.0: skip).
+    def after_check(self, check: Check) -> torch.Tensor:
+        """Ask every guard about the step of the optimizer just checked; the flag (0-dim
+        float32, 1.0: skip).
 
-        ``groups`` hold the gradients as checked; dividing them by ``unscaled_by`` gives the
-        true gradients. With an ``agreement`` (the scaler's ``process_group``), the squared norm
-        is summed and the loss averaged over its ranks first (one ``all_reduce`` per group),
-        so every rank decides alike. No host sync.
+        ``check.groups`` hold the gradients as checked; dividing them by ``check.unscaled_by``
+        gives the true gradients. With an agreement (the scaler's ``process_group``), the
+        squared norm is summed and the loss averaged over its ranks first (one ``all_reduce``
+        per group), so every rank decides alike. No host sync.
         """
-        device = unscaled_by.device
-        norm = _grad_norm(groups, device) / unscaled_by
+        device = check.unscaled_by.device
+        norm = _grad_norm(check.groups, device) / check.unscaled_by
+        loss = check.iteration.loss()
         if loss is not None:
             loss = loss.to(device, torch.float32)
-        if agreement is not None:
+        if check.agreement is not None:
             packed = torch.stack([norm.square(), torch.zeros_like(norm) if loss is None else loss])
-            ranks = agreement.sum_(packed)
+            ranks = check.agreement.sum_(packed)
             norm = packed[0].sqrt()
             if loss is not None:
                 loss = packed[1] / ranks
-        measured = StepMeasurements(optimizer, norm, loss)
+        measured = StepMeasurements(check.record.optimizer, norm, loss)
         flags = [guard.check(measured).to(device, torch.float32) for guard in self._guards]
         if not flags:
             return torch.zeros((), dtype=torch.float32, device=device)
-        flag = flags[0]
-        for other in flags[1:]:
-            flag = torch.maximum(flag, other)
-        return flag
-
-    def after_check(self, check: Check) -> torch.Tensor:
-        """The guards' flag for the optimizer just checked."""
-        return self.check(
-            check.record.optimizer,
-            check.groups,
-            check.unscaled_by,
-            check.iteration.loss(),
-            check.agreement,
-        )
+        return functools.reduce(torch.maximum, flags)
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
-        """Tell the guards whether the iteration was skipped."""
+        """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
         found_inf, spiked = iteration.found_inf, iteration.spiked
         if found_inf is not None and spiked is not None:
-            self.end_iteration(torch.logical_or(found_inf, spiked))
-
-    def end_iteration(self, skipped: torch.Tensor) -> None:
-        """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
-        for guard in self._guards:
-            guard.end_iteration(skipped)
+            skipped = torch.logical_or(found_inf, spiked)
+            for guard in self._guards:
+                guard.end_iteration(skipped)
 
     def state_dict(self) -> str:
         """The guards' states, in the order they were added, as one JSON string (a single
@@ -481,10 +456,11 @@ class GuardSet(Hook):
         ``torch.distributed.checkpoint`` loads into a layout it is given)."""
         return json.dumps([_guard_state(guard) for guard in self._guards])
 
-    def prepare_load_text(self, text: object) -> Callable[[], None]:
-        """Validate what :meth:`state_dict` saved for the guards added now, in order; returns
-        the function that restores it (nothing changes before it is called, so a scaler can
-        validate all of a checkpoint before it loads any of it).
+    def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None] | None:
+        """Validate what :meth:`state_dict` saved under ``guards`` (``None`` when the checkpoint
+        has no such entry) for the guards added now, in order; returns the function that
+        restores it (nothing changes before it is called, so a scaler can validate all of a
+        checkpoint before it loads any of it).
 
         A checkpoint with more guards than this scaler has warns here, before anything changes
         (their state would be dropped; a warnings filter that turns the warning into an error
@@ -495,6 +471,9 @@ class GuardSet(Hook):
             InvalidStateDictError: ``text`` is not such a JSON list, or a guard's state does not
                 fit the guard in its place.
         """
+        if "guards" not in state_dict:
+            return None
+        text = state_dict["guards"]
         try:
             states = json.loads(text) if isinstance(text, str) else None
         except ValueError:
