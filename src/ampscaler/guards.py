@@ -98,6 +98,16 @@ class Guard(Protocol):
     def end_iteration(self, skipped: torch.Tensor) -> None: ...
 
 
+def _real(value: object, kinds: type | tuple[type, ...]) -> bool:
+    """Whether ``value`` is of ``kinds`` and not a bool (which Python counts as an int)."""
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _require(holds: bool, message: str) -> None:
+    if not holds:
+        raise InvalidConfigError(message)
+
+
 class _Window:
     """The last ``size`` values of ``rows`` quantities, on the device, with their mean and
     spread: one ``[rows, size + 1]`` tensor, so that each step costs the same few operations
@@ -156,17 +166,14 @@ class _Window:
         """Raise :class:`~ampscaler.InvalidStateDictError` unless ``state`` is a window of
         ``size`` values per row (2 rows), as :meth:`state` writes it."""
         values, count = state.get("values"), state.get("count")
-        rows_ok = (
+        fits = (
             isinstance(values, list)
-            and len(values) == 2
+            and isinstance(count, list)
+            and len(values) == len(count) == 2
             and all(isinstance(row, list) and len(row) == size for row in values)
+            and all(_real(c, int) and c >= 0 for c in count)
         )
-        counts_ok = (
-            isinstance(count, list)
-            and len(count) == 2
-            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in count)
-        )
-        if not (rows_ok and counts_ok):
+        if not fits:
             raise InvalidStateDictError(
                 f"A SpikeGuard window in the checkpoint is not 2 rows of {size} values with "
                 "their counts (whole numbers >= 0); it was saved by another version, or edited."
@@ -233,27 +240,20 @@ class SpikeGuard:
     """
 
     def __init__(self, sigma: float = 6.0, window: int = 128, warmup: int | None = None) -> None:
-        if (
-            isinstance(sigma, bool)
-            or not isinstance(sigma, (int, float))
-            or not math.isfinite(sigma)
-            or sigma <= 0
-        ):
-            raise InvalidConfigError(
-                f"sigma must be a finite number > 0 (how many standard deviations above the "
-                f"mean count as a spike; 6.0 is usual), got {sigma!r}."
-            )
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise InvalidConfigError(
-                f"window must be an int >= 2 (the steps the mean and deviation cover; 128 is "
-                f"usual), got {window!r}."
-            )
-        if warmup is not None and (
-            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
-        ):
-            raise InvalidConfigError(
-                f"warmup must be an int >= 0 or None (None: the window, {window}), got {warmup!r}."
-            )
+        _require(
+            _real(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0,
+            f"sigma must be a finite number > 0 (how many standard deviations above the "
+            f"mean count as a spike; 6.0 is usual), got {sigma!r}.",
+        )
+        _require(
+            _real(window, int) and window >= 2,
+            f"window must be an int >= 2 (the steps the mean and deviation cover; 128 is "
+            f"usual), got {window!r}.",
+        )
+        _require(
+            warmup is None or (_real(warmup, int) and warmup >= 0),
+            f"warmup must be an int >= 0 or None (None: the window, {window}), got {warmup!r}.",
+        )
         self.sigma = float(sigma)
         self.window = window
         self.warmup = window if warmup is None else warmup
