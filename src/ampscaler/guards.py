@@ -140,14 +140,12 @@ class _Window:
         default warm-up), one fused mean and deviation over the rows (``std_mean``) gives the
         bars, NaN for rows still holding ``+inf`` slots: four small operations in all, the
         comparison written as 0.0/1.0 into a buffer whose largest value is the flag."""
-        if ready_after == self._size:
+        if ready_after >= self._size:
             std, mean = torch.std_mean(self.values, dim=1)
-            torch.gt(values, torch.add(mean, std, alpha=sigma), out=self._above)
-            return self._above.amax()
-        if ready_after > self._size:
-            std, mean = torch.std_mean(self.values, dim=1)
-            above = (self.count >= ready_after) & (values > torch.add(mean, std, alpha=sigma))
-            return above.any().to(torch.float32)
+            bar = torch.add(mean, std, alpha=sigma)
+            if ready_after == self._size:
+                return torch.gt(values, bar, out=self._above).amax()
+            return ((self.count >= ready_after) & (values > bar)).any().to(torch.float32)
         held = self.count.clamp(max=self._size)
         valid = self._positions < held.unsqueeze(1)
         mean = torch.where(valid, self.values, 0.0).sum(1) / held.clamp(min=1)
