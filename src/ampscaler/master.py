@@ -60,6 +60,7 @@ _HOOK_REGISTRIES = (
 
 _T = TypeVar("_T")
 
+# How messages name each of LOW_PRECISION_DTYPES.
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -268,7 +269,7 @@ class MasterWeightOptimizer(Optimizer):
                 elif grad.layout != torch.strided:
                     raise RuntimeError(
                         f"MasterWeightOptimizer does not support sparse gradients (a "
-                        f"{_dtype_name(param.dtype)} parameter of shape {tuple(param.shape)} "
+                        f"{_DTYPE_NAMES[param.dtype]} parameter of shape {tuple(param.shape)} "
                         f"has a {grad.layout} gradient). Use dense gradients (e.g. "
                         "nn.Embedding(sparse=False)) or keep that parameter in fp32, which "
                         "is stepped directly without a master."
@@ -504,7 +505,7 @@ class MasterWeightOptimizer(Optimizer):
         self._init_hook_registries()
 
     def __repr__(self) -> str:
-        counts = Counter(_dtype_name(param.dtype) for param, _ in self._pairs)
+        counts = Counter(_DTYPE_NAMES[param.dtype] for param, _ in self._pairs)
         by_dtype = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
         elements = sum(master.numel() for _, master in self._pairs)
         n_direct = sum(1 for t in self.master_params() if t not in self._model_of)
@@ -547,12 +548,12 @@ class MasterWeightOptimizer(Optimizer):
         if param in self._master_of:
             raise ValueError(
                 "some parameters appear in more than one parameter group (a "
-                f"{_dtype_name(param.dtype)} tensor of shape {tuple(param.shape)} is "
+                f"{_DTYPE_NAMES[param.dtype]} tensor of shape {tuple(param.shape)} is "
                 "already in this optimizer); give each parameter to one group only."
             )
         if not param.is_leaf:
             raise ValueError(
-                f"can't optimize a non-leaf tensor (a {_dtype_name(param.dtype)} tensor of "
+                f"can't optimize a non-leaf tensor (a {_DTYPE_NAMES[param.dtype]} tensor of "
                 f"shape {tuple(param.shape)}, made by {type(param.grad_fn).__name__}). This "
                 "happens with e.g. torch.randn(..., requires_grad=True).half(): create the "
                 "tensor in its dtype directly, or use t.detach().requires_grad_(), or an "
@@ -613,7 +614,7 @@ class MasterWeightOptimizer(Optimizer):
         for tensor in self.master_params():
             if tensor.dtype in LOW_PRECISION_DTYPES:
                 raise RuntimeError(
-                    f"a {_dtype_name(tensor.dtype)} parameter of shape {tuple(tensor.shape)} "
+                    f"a {_DTYPE_NAMES[tensor.dtype]} parameter of shape {tuple(tensor.shape)} "
                     "has no fp32 master and would be stepped in low precision. Either the "
                     "model was converted (e.g. model.half()) after the optimizer was "
                     "wrapped, or the group was added to the inner optimizer directly. "
@@ -687,7 +688,3 @@ def _reset_grad(tensor: Tensor, set_to_none: bool) -> None:
     else:
         grad.requires_grad_(False)
     grad.zero_()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
