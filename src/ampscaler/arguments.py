@@ -148,14 +148,7 @@ def check_skip_limit(limit: object) -> int | None:
     Raises:
         InvalidConfigError: anything else.
     """
-    if limit is None:
-        return None
-    try:
-        return require_int("max_consecutive_skips", limit, 1)
-    except InvalidConfigError:
-        raise InvalidConfigError(
-            f"max_consecutive_skips must be an int >= 1 or None, got {limit!r}."
-        ) from None
+    return None if limit is None else _at_least_one("max_consecutive_skips", limit, " or None")
 
 
 def check_attempts(limit: object) -> int:
@@ -165,15 +158,18 @@ def check_attempts(limit: object) -> int:
     Raises:
         InvalidConfigError: anything else.
     """
-    if type(limit) is int and limit >= 1:
-        return limit  # the common case, at every batch: the general check cost ~1% of a 0.7 ms one
+    return _at_least_one("max_attempts", limit, " (how many tries a batch gets; 1: no replay)")
+
+
+def _at_least_one(name: str, value: object, meaning: str) -> int:
+    """``value`` as an int >= 1 (numpy integers and one-element tensors too), else an
+    :class:`InvalidConfigError` saying what ``name`` takes (``meaning``)."""
+    if type(value) is int and value >= 1:
+        return value  # the common case, at every batch: the general check cost ~1% of a 0.7 ms one
     try:
-        return require_int("max_attempts", limit, 1)
+        return require_int(name, value, 1)
     except InvalidConfigError:
-        raise InvalidConfigError(
-            f"max_attempts must be an int >= 1 (how many tries a batch gets; 1: no replay), "
-            f"got {limit!r}."
-        ) from None
+        raise InvalidConfigError(f"{name} must be an int >= 1{meaning}, got {value!r}.") from None
 
 
 def check_switch(name: str, value: object) -> bool:

@@ -33,7 +33,7 @@ values and effects torch gives them, from the scaler's own parts: its state
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from torch.amp.grad_scaler import OptState as TorchOptState
@@ -47,9 +47,28 @@ from .state import ScalerState
 
 __all__ = ["TorchPrivateNames"]
 
+_N = TypeVar("_N", float, int)
+
 
 def _ready_state() -> dict[str, Any]:
     return {"stage": TorchOptState.READY, "found_inf_per_device": {}}
+
+
+class _RuleNumber(Generic[_N]):
+    """``_growth_factor`` and friends: the policy's number of torch's rule, read and written
+    (a write validated and applied as torch's setter of the same name would be)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._field = name.removeprefix("_")
+
+    def __get__(self, scaler: TorchPrivateNames | None, owner: type) -> _N:
+        # On the class (help(), inspect), the descriptor itself.
+        if scaler is None:
+            return cast(_N, self)
+        return cast(_N, getattr(torch_rule(scaler._state.policy), self._field))
+
+    def __set__(self, scaler: TorchPrivateNames, value: _N) -> None:
+        scaler._state.change_rule(f"_{self._field}", **{self._field: value})
 
 
 class TorchPrivateNames:
@@ -90,29 +109,9 @@ class TorchPrivateNames:
 
     # ------------------------------------------------------------------ the rule
 
-    @property
-    def _growth_factor(self) -> float:
-        return torch_rule(self._state.policy).growth_factor
-
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self._state.change_rule("_growth_factor", growth_factor=value)
-
-    @property
-    def _backoff_factor(self) -> float:
-        return torch_rule(self._state.policy).backoff_factor
-
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self._state.change_rule("_backoff_factor", backoff_factor=value)
-
-    @property
-    def _growth_interval(self) -> int:
-        return torch_rule(self._state.policy).growth_interval
-
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self._state.change_rule("_growth_interval", growth_interval=value)
+    _growth_factor = _RuleNumber[float]()
+    _backoff_factor = _RuleNumber[float]()
+    _growth_interval = _RuleNumber[int]()
 
     # ------------------------------------------------------------------ per optimizer
 

@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import warnings
@@ -49,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from .distributed import RankAgreement
 from .errors import InvalidConfigError, InvalidStateDictError
 from .grads.collect import GradGroups
 from .hooks import Check, Hook
@@ -98,6 +98,16 @@ class Guard(Protocol):
     def end_iteration(self, skipped: torch.Tensor) -> None: ...
 
 
+def _real(value: object, kinds: type | tuple[type, ...]) -> bool:
+    """Whether ``value`` is of ``kinds`` and not a bool (which Python counts as an int)."""
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _require(holds: bool, message: str) -> None:
+    if not holds:
+        raise InvalidConfigError(message)
+
+
 class _Window:
     """The last ``size`` values of ``rows`` quantities, on the device, with their mean and
     spread: one ``[rows, size + 1]`` tensor, so that each step costs the same few operations
@@ -130,14 +140,12 @@ class _Window:
         default warm-up), one fused mean and deviation over the rows (``std_mean``) gives the
         bars, NaN for rows still holding ``+inf`` slots: four small operations in all, the
         comparison written as 0.0/1.0 into a buffer whose largest value is the flag."""
-        if ready_after == self._size:
+        if ready_after >= self._size:
             std, mean = torch.std_mean(self.values, dim=1)
-            torch.gt(values, torch.add(mean, std, alpha=sigma), out=self._above)
-            return self._above.amax()
-        if ready_after > self._size:
-            std, mean = torch.std_mean(self.values, dim=1)
-            above = (self.count >= ready_after) & (values > torch.add(mean, std, alpha=sigma))
-            return above.any().to(torch.float32)
+            bar = torch.add(mean, std, alpha=sigma)
+            if ready_after == self._size:
+                return torch.gt(values, bar, out=self._above).amax()
+            return ((self.count >= ready_after) & (values > bar)).any().to(torch.float32)
         held = self.count.clamp(max=self._size)
         valid = self._positions < held.unsqueeze(1)
         mean = torch.where(valid, self.values, 0.0).sum(1) / held.clamp(min=1)
@@ -156,17 +164,14 @@ class _Window:
         """Raise :class:`~ampscaler.InvalidStateDictError` unless ``state`` is a window of
         ``size`` values per row (2 rows), as :meth:`state` writes it."""
         values, count = state.get("values"), state.get("count")
-        rows_ok = (
+        fits = (
             isinstance(values, list)
-            and len(values) == 2
+            and isinstance(count, list)
+            and len(values) == len(count) == 2
             and all(isinstance(row, list) and len(row) == size for row in values)
+            and all(_real(c, int) and c >= 0 for c in count)
         )
-        counts_ok = (
-            isinstance(count, list)
-            and len(count) == 2
-            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in count)
-        )
-        if not (rows_ok and counts_ok):
+        if not fits:
             raise InvalidStateDictError(
                 f"A SpikeGuard window in the checkpoint is not 2 rows of {size} values with "
                 "their counts (whole numbers >= 0); it was saved by another version, or edited."
@@ -233,27 +238,20 @@ class SpikeGuard:
     """
 
     def __init__(self, sigma: float = 6.0, window: int = 128, warmup: int | None = None) -> None:
-        if (
-            isinstance(sigma, bool)
-            or not isinstance(sigma, (int, float))
-            or not math.isfinite(sigma)
-            or sigma <= 0
-        ):
-            raise InvalidConfigError(
-                f"sigma must be a finite number > 0 (how many standard deviations above the "
-                f"mean count as a spike; 6.0 is usual), got {sigma!r}."
-            )
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise InvalidConfigError(
-                f"window must be an int >= 2 (the steps the mean and deviation cover; 128 is "
-                f"usual), got {window!r}."
-            )
-        if warmup is not None and (
-            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
-        ):
-            raise InvalidConfigError(
-                f"warmup must be an int >= 0 or None (None: the window, {window}), got {warmup!r}."
-            )
+        _require(
+            _real(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0,
+            f"sigma must be a finite number > 0 (how many standard deviations above the "
+            f"mean count as a spike; 6.0 is usual), got {sigma!r}.",
+        )
+        _require(
+            _real(window, int) and window >= 2,
+            f"window must be an int >= 2 (the steps the mean and deviation cover; 128 is "
+            f"usual), got {window!r}.",
+        )
+        _require(
+            warmup is None or (_real(warmup, int) and warmup >= 0),
+            f"warmup must be an int >= 0 or None (None: the window, {window}), got {warmup!r}.",
+        )
         self.sigma = float(sigma)
         self.window = window
         self.warmup = window if warmup is None else warmup
@@ -412,68 +410,43 @@ class GuardSet(Hook):
         """``guards``: :meth:`state_dict`."""
         return {"guards": self.state_dict()}
 
-    def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None] | None:
-        """The guards' part of a state dict (``guards``), when it has one."""
-        return self.prepare_load_text(state_dict["guards"]) if "guards" in state_dict else None
-
     def moments(self) -> list[str]:
         """Due at the check and the update while it holds a guard; never when empty."""
         return ["after_check", "after_update"] if self.active else []
 
-    def check(
-        self,
-        optimizer: torch.optim.Optimizer,
-        groups: GradGroups,
-        unscaled_by: torch.Tensor,
-        loss: torch.Tensor | None,
-        agreement: RankAgreement | None,
-    ) -> torch.Tensor:
-        """Ask every guard about ``optimizer``'s step; the flag (0-dim float32, 1.0: skip).
+    def after_check(self, check: Check) -> torch.Tensor:
+        """Ask every guard about the step of the optimizer just checked; the flag (0-dim
+        float32, 1.0: skip).
 
-        ``groups`` hold the gradients as checked; dividing them by ``unscaled_by`` gives the
-        true gradients. With an ``agreement`` (the scaler's ``process_group``), the squared norm
-        is summed and the loss averaged over its ranks first (one ``all_reduce`` per group),
-        so every rank decides alike. No host sync.
+        ``check.groups`` hold the gradients as checked; dividing them by ``check.unscaled_by``
+        gives the true gradients. With an agreement (the scaler's ``process_group``), the
+        squared norm is summed and the loss averaged over its ranks first (one ``all_reduce``
+        per group), so every rank decides alike. No host sync.
         """
-        device = unscaled_by.device
-        norm = _grad_norm(groups, device) / unscaled_by
+        device = check.unscaled_by.device
+        norm = _grad_norm(check.groups, device) / check.unscaled_by
+        loss = check.iteration.loss()
         if loss is not None:
             loss = loss.to(device, torch.float32)
-        if agreement is not None:
+        if check.agreement is not None:
             packed = torch.stack([norm.square(), torch.zeros_like(norm) if loss is None else loss])
-            ranks = agreement.sum_(packed)
+            ranks = check.agreement.sum_(packed)
             norm = packed[0].sqrt()
             if loss is not None:
                 loss = packed[1] / ranks
-        measured = StepMeasurements(optimizer, norm, loss)
+        measured = StepMeasurements(check.record.optimizer, norm, loss)
         flags = [guard.check(measured).to(device, torch.float32) for guard in self._guards]
         if not flags:
             return torch.zeros((), dtype=torch.float32, device=device)
-        flag = flags[0]
-        for other in flags[1:]:
-            flag = torch.maximum(flag, other)
-        return flag
-
-    def after_check(self, check: Check) -> torch.Tensor:
-        """The guards' flag for the optimizer just checked."""
-        return self.check(
-            check.record.optimizer,
-            check.groups,
-            check.unscaled_by,
-            check.iteration.loss(),
-            check.agreement,
-        )
+        return functools.reduce(torch.maximum, flags)
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
-        """Tell the guards whether the iteration was skipped."""
+        """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
         found_inf, spiked = iteration.found_inf, iteration.spiked
         if found_inf is not None and spiked is not None:
-            self.end_iteration(torch.logical_or(found_inf, spiked))
-
-    def end_iteration(self, skipped: torch.Tensor) -> None:
-        """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
-        for guard in self._guards:
-            guard.end_iteration(skipped)
+            skipped = torch.logical_or(found_inf, spiked)
+            for guard in self._guards:
+                guard.end_iteration(skipped)
 
     def state_dict(self) -> str:
         """The guards' states, in the order they were added, as one JSON string (a single
@@ -481,10 +454,11 @@ class GuardSet(Hook):
         ``torch.distributed.checkpoint`` loads into a layout it is given)."""
         return json.dumps([_guard_state(guard) for guard in self._guards])
 
-    def prepare_load_text(self, text: object) -> Callable[[], None]:
-        """Validate what :meth:`state_dict` saved for the guards added now, in order; returns
-        the function that restores it (nothing changes before it is called, so a scaler can
-        validate all of a checkpoint before it loads any of it).
+    def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None] | None:
+        """Validate what :meth:`state_dict` saved under ``guards`` (``None`` when the checkpoint
+        has no such entry) for the guards added now, in order; returns the function that
+        restores it (nothing changes before it is called, so a scaler can validate all of a
+        checkpoint before it loads any of it).
 
         A checkpoint with more guards than this scaler has warns here, before anything changes
         (their state would be dropped; a warnings filter that turns the warning into an error
@@ -495,6 +469,9 @@ class GuardSet(Hook):
             InvalidStateDictError: ``text`` is not such a JSON list, or a guard's state does not
                 fit the guard in its place.
         """
+        if "guards" not in state_dict:
+            return None
+        text = state_dict["guards"]
         try:
             states = json.loads(text) if isinstance(text, str) else None
         except ValueError:

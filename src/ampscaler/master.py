@@ -29,7 +29,7 @@ import warnings
 import weakref
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 from torch import Tensor
@@ -58,7 +58,28 @@ _HOOK_REGISTRIES = (
     "_optimizer_load_state_dict_post_hooks",
 )
 
+_T = TypeVar("_T")
+
+# How messages name each of LOW_PRECISION_DTYPES.
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class _InnerAttribute(Generic[_T]):
+    """An attribute of the wrapper that is the inner optimizer's, read and written through it
+    (so LR schedulers and ``group["lr"] = ...`` act on the optimizer that steps)."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, wrapper: MasterWeightOptimizer | None, owner: type) -> _T:
+        # On the class (help(), inspect), the descriptor itself.
+        return cast(_T, self if wrapper is None else getattr(wrapper._inner, self._name))
+
+    def __set__(self, wrapper: MasterWeightOptimizer, value: _T) -> None:
+        setattr(wrapper._inner, self._name, value)
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -175,32 +196,9 @@ class MasterWeightOptimizer(Optimizer):
 
     # --- what the inner optimizer owns, seen through the wrapper -------------------------
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's parameter groups; their ``"params"`` are the masters."""
-        return self._inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._inner.param_groups = value
-
-    @property
-    def state(self) -> defaultdict[Tensor, Any]:
-        """The inner optimizer's per-parameter state, keyed by master tensors."""
-        return self._inner.state
-
-    @state.setter
-    def state(self, value: defaultdict[Tensor, Any]) -> None:
-        self._inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The inner optimizer's default hyperparameters."""
-        return self._inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._inner.defaults = value
+    param_groups = _InnerAttribute[list[dict[str, Any]]]("The groups; their params: the masters.")
+    state = _InnerAttribute[defaultdict[Tensor, Any]]("The state, keyed by the masters.")
+    defaults = _InnerAttribute[dict[str, Any]]("The default hyperparameters.")
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -263,34 +261,28 @@ class MasterWeightOptimizer(Optimizer):
         """
         if self._copied_grads_are_current():
             return
-        copied: list[tuple[weakref.ref[Tensor] | None, int]] = []
         with torch.no_grad():
             for param, master in self._pairs:
                 grad = param.grad
                 if grad is None:
                     master.grad = None
-                    copied.append((None, 0))
-                    continue
-                if grad.layout != torch.strided:
+                elif grad.layout != torch.strided:
                     raise RuntimeError(
                         f"MasterWeightOptimizer does not support sparse gradients (a "
-                        f"{_dtype_name(param.dtype)} parameter of shape {tuple(param.shape)} "
+                        f"{_DTYPE_NAMES[param.dtype]} parameter of shape {tuple(param.shape)} "
                         f"has a {grad.layout} gradient). Use dense gradients (e.g. "
                         "nn.Embedding(sparse=False)) or keep that parameter in fp32, which "
                         "is stepped directly without a master."
                     )
-                if master.grad is None or master.grad.shape != grad.shape:
+                elif master.grad is None or master.grad.shape != grad.shape:
                     master.grad = grad.to(dtype=torch.float32, copy=True)
                 else:
                     master.grad.copy_(grad)
-                copied.append((weakref.ref(grad), grad._version))
-        self._copied_grads = copied
+        self._copied_grads = self._grad_marks()
 
-    def prepare_grads_for_scaler(self) -> None:
-        """What ``ampscaler.GradScaler`` calls before it reads this optimizer's gradients (the
-        protocol of optimizer wrappers whose checked gradients live elsewhere):
-        :meth:`copy_grads_to_masters`."""
-        self.copy_grads_to_masters()
+    #: What ``ampscaler.GradScaler`` calls before it reads this optimizer's gradients (the
+    #: protocol of optimizer wrappers whose checked gradients live elsewhere).
+    prepare_grads_for_scaler = copy_grads_to_masters
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -445,7 +437,7 @@ class MasterWeightOptimizer(Optimizer):
         state_dict = self._inner.state_dict()
         state_dict[_MASTERS_KEY] = {
             index: tensor.detach()
-            for index, tensor in self._indexed_params()
+            for index, tensor in enumerate(self.master_params())
             if tensor in self._model_of
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -474,7 +466,7 @@ class MasterWeightOptimizer(Optimizer):
                 state_dict = result
         inner_state_dict = dict(state_dict)
         saved = inner_state_dict.pop(_MASTERS_KEY, None)
-        masters = {i: t for i, t in self._indexed_params() if t in self._model_of}
+        masters = {i: t for i, t in enumerate(self.master_params()) if t in self._model_of}
         if saved is None:
             if masters:
                 warnings.warn(
@@ -513,7 +505,7 @@ class MasterWeightOptimizer(Optimizer):
         self._init_hook_registries()
 
     def __repr__(self) -> str:
-        counts = Counter(_dtype_name(param.dtype) for param, _ in self._pairs)
+        counts = Counter(_DTYPE_NAMES[param.dtype] for param, _ in self._pairs)
         by_dtype = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
         elements = sum(master.numel() for _, master in self._pairs)
         n_direct = sum(1 for t in self.master_params() if t not in self._model_of)
@@ -556,12 +548,12 @@ class MasterWeightOptimizer(Optimizer):
         if param in self._master_of:
             raise ValueError(
                 "some parameters appear in more than one parameter group (a "
-                f"{_dtype_name(param.dtype)} tensor of shape {tuple(param.shape)} is "
+                f"{_DTYPE_NAMES[param.dtype]} tensor of shape {tuple(param.shape)} is "
                 "already in this optimizer); give each parameter to one group only."
             )
         if not param.is_leaf:
             raise ValueError(
-                f"can't optimize a non-leaf tensor (a {_dtype_name(param.dtype)} tensor of "
+                f"can't optimize a non-leaf tensor (a {_DTYPE_NAMES[param.dtype]} tensor of "
                 f"shape {tuple(param.shape)}, made by {type(param.grad_fn).__name__}). This "
                 "happens with e.g. torch.randn(..., requires_grad=True).half(): create the "
                 "tensor in its dtype directly, or use t.detach().requires_grad_(), or an "
@@ -587,25 +579,21 @@ class MasterWeightOptimizer(Optimizer):
                     for key, value in state.pop(param).items()
                 }
 
-    def _indexed_params(self) -> Iterator[tuple[int, Tensor]]:
-        # The numbering torch's state_dict uses: position across all groups, in order.
-        index = 0
-        for group in self._inner.param_groups:
-            for tensor in group["params"]:
-                yield index, tensor
-                index += 1
+    def _grad_marks(self) -> list[tuple[weakref.ref[Tensor] | None, int]]:
+        # Each model grad as a weak reference and its version counter. CPython hands out one
+        # weak reference per live object, so equal marks mean the very same, unchanged grads.
+        return [
+            (None, 0) if param.grad is None else (weakref.ref(param.grad), param.grad._version)
+            for param, _ in self._pairs
+        ]
 
     def _copied_grads_are_current(self) -> bool:
-        if self._copied_grads is None or len(self._copied_grads) != len(self._pairs):
-            return False
-        for (param, _), (grad_ref, version) in zip(self._pairs, self._copied_grads, strict=True):
-            grad = param.grad
-            if grad_ref is None:
-                if grad is not None:
-                    return False
-            elif grad is None or grad is not grad_ref() or grad._version != version:
-                return False
-        return True
+        copied, now = self._copied_grads, self._grad_marks()
+        return (
+            copied is not None
+            and len(copied) == len(now)
+            and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(copied, now, strict=True))
+        )
 
     def _copy_masters_to_model(self) -> None:
         with torch.no_grad():
@@ -626,7 +614,7 @@ class MasterWeightOptimizer(Optimizer):
         for tensor in self.master_params():
             if tensor.dtype in LOW_PRECISION_DTYPES:
                 raise RuntimeError(
-                    f"a {_dtype_name(tensor.dtype)} parameter of shape {tuple(tensor.shape)} "
+                    f"a {_DTYPE_NAMES[tensor.dtype]} parameter of shape {tuple(tensor.shape)} "
                     "has no fp32 master and would be stepped in low precision. Either the "
                     "model was converted (e.g. model.half()) after the optimizer was "
                     "wrapped, or the group was added to the inner optimizer directly. "
@@ -700,7 +688,3 @@ def _reset_grad(tensor: Tensor, set_to_none: bool) -> None:
     else:
         grad.requires_grad_(False)
     grad.zero_()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))

@@ -87,11 +87,8 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-class _Inert:
-    """What a tap's hook becomes in a copied or pickled module: a hook that does nothing."""
-
-    def __call__(self, *args: object) -> None:
-        return None
+def _inert(*args: object) -> None:
+    """What a tap's hook calls in a copied or pickled module: nothing."""
 
 
 class _Hook:
@@ -107,8 +104,8 @@ class _Hook:
     def __call__(self, *args: Any) -> None:
         self._call(*self._front, *args)
 
-    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
-        return (_Inert, ())
+    def __reduce__(self) -> tuple[type[_Hook], tuple[Callable[..., None]]]:
+        return (_Hook, (_inert,))
 
 
 class GradTaps:

@@ -38,7 +38,6 @@ __all__ = [
     "collect",
     "grad_views",
     "iter_params",
-    "local_tensor",
 ]
 
 FP16_GRADS_MESSAGE = (
@@ -75,14 +74,6 @@ def _dtensor_type() -> type[Any] | None:
         if isinstance(found, type):
             return found
     return None
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2, tensor parallel); any other tensor unchanged."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(tensor, dtensor):
-        return tensor.to_local()  # type: ignore[no-any-return]
-    return tensor
 
 
 def _sparse_values(param: torch.Tensor, grad: torch.Tensor, allow_fp16: bool) -> torch.Tensor:
@@ -145,9 +136,11 @@ def grad_views(
     Raises:
         TypeError: a parameter that is not a tensor.
     """
+    dtensor = _dtensor_type()
     for optimizer in optimizers:
         for group_index, param_index, param in iter_params(optimizer):
             grad = param.grad
             if grad is not None:
-                grad = local_tensor(grad)
+                if dtensor is not None and isinstance(grad, dtensor):
+                    grad = grad.to_local()
                 yield group_index, param_index, param, grad._values() if grad.is_sparse else grad

@@ -39,7 +39,7 @@ import torch
 
 from .collect import GradGroups
 
-__all__ = ["FusedRoute", "refuse_legacy_protocol", "step_fused"]
+__all__ = ["FusedRoute", "step_fused"]
 
 # torch's fused optimizers, whose kernels divide each gradient by ``grad_scale`` (when given)
 # in float32/float64 arithmetic before using it, and touch ``grad_scale`` nowhere else.
@@ -103,22 +103,10 @@ def step_fused(
     """Step an optimizer that unscales by ``optimizer.grad_scale`` and skips on
     ``optimizer.found_inf`` inside its kernel; the attributes exist only during the step.
     Optimizers with torch's deprecated ``grad_scaler=`` protocol are refused.
-    """
-    refuse_legacy_protocol(optimizer)
-    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-    try:
-        return optimizer.step(*args, **kwargs)
-    finally:
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
-
-
-def refuse_legacy_protocol(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizers whose ``step`` takes torch's deprecated ``grad_scaler`` argument.
 
     Raises:
-        TypeError: naming the optimizer and what to do.
+        TypeError: ``optimizer.step`` takes a ``grad_scaler`` argument; the message names the
+            optimizer and what to do.
     """
     if _takes_grad_scaler(type(optimizer).step):
         raise TypeError(
@@ -127,6 +115,13 @@ def refuse_legacy_protocol(optimizer: torch.optim.Optimizer) -> None:
             "scaler. ampscaler hands optimizers optimizer.grad_scale and optimizer.found_inf "
             "instead; update the optimizer to read those, or use torch.amp.GradScaler for it."
         )
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=64)
