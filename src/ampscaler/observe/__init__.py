@@ -12,8 +12,8 @@
   fp16 flushes to zero and how close it is to overflow.
 
 The probe and the tracer are hooks of their own (:mod:`ampscaler.hooks`); they leave what they
-found in the iteration's notes, where the monitor reads it. The module hooks they share are
-:mod:`ampscaler.taps`'s.
+found in the iteration's notes, where the monitor reads it. They tap modules through
+:mod:`ampscaler.taps`.
 
 Gradients are read through :func:`ampscaler.grads.collect.grad_views`, the one walk over an
 optimizer's gradients.
