@@ -309,3 +309,55 @@ def test_a_labelled_record_round_trips_and_unknown_keys_are_ignored(tmp_path: Pa
     assert ampscaler.read_log(path) == [record, record]
     unlabelled = StepRecord(step=2, scale=4.0, new_scale=4.0, skipped=False, time=0.0)
     assert "label" not in json.loads(unlabelled.to_json_line())
+
+
+def test_a_probe_and_a_tracer_are_hooks_that_detach_like_any_other() -> None:
+    """The probe and the tracer plug in as hooks of their own (issue 36): ``detach()`` takes
+    them out again, and the records stop carrying their results."""
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    history = scaler.attach(ampscaler.StepHistory(10))
+    probe = scaler.attach(ampscaler.GradientProbe(every=1))
+    tracer = scaler.attach(ampscaler.NonFiniteTracer())
+    assert isinstance(probe, ampscaler.Hook) and isinstance(tracer, ampscaler.Hook)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    scaler.watch(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def iteration(poisoned: bool) -> None:
+        with torch.no_grad():
+            model[1].weight.fill_(INF if poisoned else 1.0)
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    iteration(False)
+    iteration(True)
+    assert [record.probe is not None for record in history.records] == [True, True]
+    assert scaler.last_overflow is not None and scaler.last_overflow.origin == "1"
+    scaler.detach(probe)
+    scaler.detach(tracer)
+    iteration(False)
+    iteration(True)
+    assert [record.probe is not None for record in history.records] == [True, True, False, False]
+    assert scaler.last_overflow is not None and scaler.last_overflow.origin is None
+
+
+def test_a_hook_attached_after_watch_watches_the_models_watched_so_far() -> None:
+    class Watching(ampscaler.Hook):
+        def __init__(self) -> None:
+            self.seen: list[tuple[torch.nn.Module, str]] = []
+
+        def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
+            self.seen.append((model, prefix))
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    scaler = GradScaler("cpu")
+    scaler.watch(first)
+    hook = scaler.attach(Watching())
+    scaler.watch(head=second)
+    assert hook.seen == [(first, ""), (second, "head")]
+    disabled = GradScaler("cpu", enabled=False)
+    quiet = disabled.attach(Watching())
+    disabled.watch(first)
+    assert quiet.seen == []  # a disabled scaler taps nothing

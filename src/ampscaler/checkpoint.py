@@ -1,13 +1,20 @@
-"""The scaler's ``state_dict``: its format, and its validation (all or nothing).
+"""The scaler's ``state_dict``: its format, and its validation (all or nothing). The one place
+that knows the format: the scaler's keys, and how a policy's settings and state are laid out.
 
 A state dict holds torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
-``growth_interval``, ``_growth_tracker``) and ampscaler's own: ``policy`` (the policy's kind)
-and what the policy saves of itself (:func:`~ampscaler.policy.derived.checkpoint_entries`:
-for :class:`~ampscaler.ScalePolicy` the rest of the rule,
-``hysteresis``, ``min_scale``, ``max_scale``, ``dynamic``, and the hysteresis budget
-``_hysteresis_tracker``; for :class:`~ampscaler.HeadroomPolicy` also a ``headroom`` section with
-its settings and measurements), ``max_consecutive_skips``, the counters (``stats``) and the
-guards' state (``guards``, one JSON string: see :meth:`ampscaler.guards.GuardSet.state_dict`).
+``growth_interval``, ``_growth_tracker``) and ampscaler's own: ``policy`` (the policy's kind,
+its class name) and what the policy saves of itself (:func:`policy_entries`), then
+``max_consecutive_skips``, the counters (``stats``) and what the hooks save (the guards' state,
+``guards``, one JSON string: see :meth:`ampscaler.guards.GuardSet.state_dict`).
+
+A policy is saved from its dataclass fields and its own state values (beyond the scale and the
+growth tracker): a policy of one's own in a ``policy_state`` section holding both. The built-in
+policies keep the layout of ampscaler 0.1, so that older checkpoints load and a
+``torch.distributed.checkpoint`` template of one finds its keys in another's: the rule's keys
+beside torch's (``hysteresis``, ``min_scale``, ``max_scale``, ``dynamic``,
+``backoff_on_nonfinite_loss``) and the hysteresis budget ``_hysteresis_tracker``; a
+:class:`~ampscaler.HeadroomPolicy` also a ``headroom`` section with its settings and
+measurements. The built-in policies are known here by name (the ``policy`` key), never by type.
 
 Torch's ``GradScaler.load_state_dict`` reads its five keys and ignores the rest, so ampscaler's
 state loads into torch; a torch state dict loads here and leaves ampscaler's own options as
@@ -34,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -42,15 +50,28 @@ import torch
 
 from .arguments import check_skip_limit
 from .errors import InvalidConfigError, InvalidStateDictError
-from .policy import LOWEST_SCALE, Policy, float32_value, policy_from_state_dict
+from .policy import BUILT_IN, LOWEST_SCALE, Policy, TorchRule, float32_value
 from .policy.base import require_int, require_number
-from .policy.derived import checkpoint_entries, policy_name, torch_rule
+from .policy.derived import policy_fields, policy_name, rule_settings, torch_rule, with_fields
 from .policy.scale import INT32_MAX
 from .state import INT64_MAX, HostState, ScalerStats
 
-__all__ = ["TORCH_KEYS", "Loaded", "from_state_dict", "to_state_dict"]
+__all__ = [
+    "TORCH_KEYS",
+    "Loaded",
+    "from_state_dict",
+    "policy_entries",
+    "policy_from_state_dict",
+    "to_state_dict",
+]
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+#: The section a policy's settings and own values are saved in (by default ``policy_state``).
+_SECTIONS = {"HeadroomPolicy": "headroom"}
+#: Settings a built-in policy gained since ampscaler 0.1, and the setting whose value an older
+#: checkpoint's run had for it (a HeadroomPolicy's young history kept its one margin).
+_ADDED_SINCE_0_1 = {"HeadroomPolicy": {"first_margin": "margin"}}
 
 
 def to_state_dict(
@@ -63,11 +84,114 @@ def to_state_dict(
         "_growth_tracker": state.growth_tracker,
         **torch_rule(policy)._asdict(),
         "policy": policy_name(policy),
-        **checkpoint_entries(policy, state.own),
+        **policy_entries(policy, state.own),
         "max_consecutive_skips": limit,
         "stats": state.stats.as_dict(),
         **hooks,
     }
+
+
+def policy_entries(policy: Policy, values: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``state_dict()`` holds for ``policy`` beyond torch's keys and its name, given its
+    own state ``values`` (scale and growth tracker left out).
+
+    Example:
+        >>> from ampscaler.policy import ScalePolicy, StaticPolicy
+        >>> policy_entries(StaticPolicy(), {})["dynamic"]
+        False
+        >>> policy_entries(ScalePolicy(hysteresis=2), {"hysteresis_left": 1})["_hysteresis_tracker"]
+        1
+    """
+    name = policy_name(policy)
+    section = {_SECTIONS.get(name, "policy_state"): {**policy_fields(policy), **values}}
+    rule = rule_settings(policy)
+    if rule is None:
+        return section
+    flat = {**rule, "_hysteresis_tracker": values.get("hysteresis_left", 1)}
+    return {**flat, **section} if name in _SECTIONS else flat
+
+
+def _legacy_kind(saved: Mapping[str, Any]) -> str | None:
+    """The kind of policy a state dict without a ``policy`` key was saved with (ampscaler
+    0.1.0's, which knew three); ``None`` for torch's own dict."""
+    if "headroom" in saved:
+        return "HeadroomPolicy"
+    if "dynamic" not in saved:
+        return None
+    dynamic = saved["dynamic"]
+    if not isinstance(dynamic, bool):
+        raise InvalidConfigError(f"dynamic must be True or False, got {dynamic!r}.")
+    return "ScalePolicy" if dynamic else "StaticPolicy"
+
+
+def policy_from_state_dict(
+    saved: Mapping[str, Any], current: Policy
+) -> tuple[Policy, dict[str, Any]]:
+    """The policy a state dict restores, and its own state values (validated), for a scaler
+    that holds ``current``; :func:`policy_entries`' counterpart.
+
+    A dict names its policy under ``policy``; older ampscaler dicts are recognized by their
+    keys. A policy of the same kind as ``current`` is restored through ``current`` (so a user's
+    own policy restores), a built-in one through a default instance. Torch's own dict (only
+    torch's keys) leaves ``current`` as it is, but for torch's rule numbers, which replace its
+    fields of those names where it has all three (a :class:`~ampscaler.ScalePolicy`).
+
+    Raises:
+        InvalidConfigError: a policy this scaler cannot restore, or invalid values.
+    """
+    kind = saved.get("policy", _legacy_kind(saved))
+    if kind is None:
+        if not set(TorchRule._fields) <= set(policy_fields(current)):
+            return current, {}
+        rule = {name: saved[name] for name in TorchRule._fields}
+        return dataclasses.replace(current, **rule), {}  # type: ignore[type-var]
+    if not isinstance(kind, str):
+        raise InvalidConfigError(f"policy must be the name of a policy, got {kind!r}.")
+    current_kind = policy_name(current)
+    prototype = current if kind == current_kind else BUILT_IN.get(kind)
+    if prototype is None:
+        raise InvalidConfigError(
+            f"the checkpoint was saved by a scaler with policy {kind!r}, which this scaler "
+            f"(policy {current_kind!r}) cannot make: construct the scaler with a {kind} before "
+            "loading it."
+        )
+    if rule_settings(prototype) is not None and kind not in _SECTIONS:
+        return _from_flat_keys(prototype, saved)
+    section_name = _SECTIONS.get(kind, "policy_state")
+    section = saved.get(section_name)
+    if not isinstance(section, Mapping):
+        raise InvalidConfigError(
+            f"the checkpoint was saved with a {kind}, but holds no {section_name!r} section "
+            f"with its settings (got {section!r}). When loading through a template "
+            "(torch.distributed.checkpoint), make the template with a scaler constructed with "
+            "the same policy, so that it has the section."
+        )
+    added = {new: section.get(old) for new, old in _ADDED_SINCE_0_1.get(kind, {}).items()}
+    restored = with_fields(prototype, {**added, **section})
+    own = {key: value for key, value in section.items() if key not in policy_fields(restored)}
+    return restored, restored.own_values(own)
+
+
+def _from_flat_keys(prototype: Policy, saved: Mapping[str, Any]) -> tuple[Policy, dict[str, Any]]:
+    """A built-in policy saved without a section: its settings from torch's keys and the flat
+    ones (``prototype``'s values where absent), and the hysteresis budget if it has one."""
+    settings = policy_fields(prototype)
+    restored = with_fields(prototype, {name: saved.get(name, v) for name, v in settings.items()})
+    if "hysteresis" not in settings:
+        return restored, {}
+    hysteresis = policy_fields(restored)["hysteresis"]
+    budget = require_int(
+        "_hysteresis_tracker",
+        saved.get("_hysteresis_tracker", hysteresis),
+        0,
+        INT32_MAX,
+        integral_floats=True,
+    )
+    if budget > hysteresis:
+        raise InvalidConfigError(
+            f"_hysteresis_tracker must not exceed hysteresis ({hysteresis}), got {budget}."
+        )
+    return restored, {"hysteresis_left": budget}
 
 
 @dataclass(frozen=True)

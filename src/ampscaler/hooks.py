@@ -101,6 +101,9 @@ class Hook:
     ``torch.compile`` only (``at_scale``, ``on_skip``, ``periodic``); the others also run in
     a compiled ``unscale_``/``update()``, where they must not read values on the host."""
 
+    #: Whether a scaler takes at most one hook of this class (the probe, the tracer).
+    unique = False
+
     def at_scale(self, iteration: Iteration) -> None:
         """``scale()`` was called in ``iteration`` (every call)."""
 
@@ -233,12 +236,17 @@ class HookList:
         """Add ``hook`` after the others.
 
         Raises:
-            TypeError: not a :class:`Hook`. InvalidConfigError: added already.
+            TypeError: not a :class:`Hook`. InvalidConfigError: added already (or one of its
+                class, for a :attr:`~Hook.unique` one).
         """
         if not isinstance(hook, Hook):
             raise TypeError(f"a hook must subclass ampscaler.Hook, got {type(hook).__name__}.")
         if any(existing is hook for existing in self._hooks):
             raise InvalidConfigError(f"{hook!r} is attached to this scaler already.")
+        if hook.unique and self.find(type(hook)) is not None:
+            raise InvalidConfigError(
+                f"This scaler already has a {type(hook).__name__} attached; it takes one."
+            )
         self._hooks.append(hook)
         hook.changed = self._sort  # type: ignore[method-assign]
         self._sort()

@@ -357,7 +357,7 @@ class GradScaler(TorchPrivateNames):
         self._last_batch_clean = False
         self._warned_flushed = False  # metrics() said that every measured gradient flushed
         self._hooks = HookList()
-        self._observers = self._hooks.add(Monitor(enabled=self._enabled))  # reports, sinks...
+        self._observers = self._hooks.add(Monitor())  # reports, sinks...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
         self._watched = WatchedModels()  # for the policy's meter
         self._add_meter(chosen, 0)
@@ -1317,6 +1317,8 @@ class GradScaler(TorchPrivateNames):
         """
         if isinstance(plugin, Hook):
             self._hooks.add(plugin)
+            for model, prefix in self._watched:  # it watches the models watched so far
+                plugin.watch(model, prefix)
         elif not any(hook.adopt(plugin) for hook in self._hooks):
             raise TypeError(
                 "attach() takes an ampscaler.Hook, a guard (check and end_iteration), a "
@@ -1386,10 +1388,10 @@ class GradScaler(TorchPrivateNames):
             (model, prefix) for prefix, model in named_models.items()
         ]
         for model, prefix in watched:
-            if self._enabled:
+            if self._enabled:  # a disabled scaler taps nothing
                 self._watched.add(model, prefix)
-            for hook in self._hooks:
-                hook.watch(model, prefix)
+                for hook in self._hooks:
+                    hook.watch(model, prefix)
 
     def wrap(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> None:
         """Scale a loop that never calls the scaler: ``loss.backward()``, clipping and

@@ -11,8 +11,9 @@ the tensors that fail the screen. Gradients come from
 **Naming the module.** :class:`NonFiniteTracer` (``scaler.attach(NonFiniteTracer())``) taps
 every leaf module of the watched models. During each backward it records, on the device and
 without a host sync, whether the gradient arriving at a module's outputs, the gradient it passes
-to its inputs and the gradients of its own parameters are finite. Only when a step is skipped
-are these flags read (one host sync) and judged:
+to its inputs and the gradients of its own parameters are finite; as a hook of the scaler it
+leaves an iteration's flags in the iteration's notes (:data:`TRACE_NOTE`). Only when a step is
+skipped are these flags read (one host sync) and judged:
 
 * a module *produced* a non-finite gradient when its input or parameter gradients are
   non-finite while every gradient that arrived at its outputs was finite;
@@ -50,16 +51,23 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..grads.collect import grad_views
+from ..hooks import Hook
 from ..taps import GradTaps
 from .plain import Plain
 
+if TYPE_CHECKING:
+    from ..iteration import Iteration, OptimizerRecord
+    from ..state import LiveState
+
 __all__ = [
     "LOSS_ORIGIN",
+    "TRACE_NOTE",
     "NonFiniteTracer",
     "OverflowReport",
     "ParamNames",
@@ -74,6 +82,9 @@ LOSS_ORIGIN = "<loss>"
 
 TraceEvent = tuple[str, str, torch.Tensor]
 """``(module name, "input" / "output" / "param", 0-dim finite flag)``: one tapped gradient."""
+
+#: Where an attached tracer leaves an iteration's events in ``Iteration.notes``.
+TRACE_NOTE = "trace"
 
 
 class ParamNames:
@@ -296,15 +307,19 @@ def _finite_flag(grad: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(values.sum(dtype=wide))
 
 
-class NonFiniteTracer:
+class NonFiniteTracer(Hook):
     """Records finiteness flags of the gradients around watched modules, judged on demand.
 
     Attach one to a scaler with ``scaler.attach(NonFiniteTracer())`` and ``scaler.watch(model)``:
     the scaler taps the models it watches, and the
     :attr:`OverflowReport.origin` of a skipped step names the module whose backward produced
-    the inf or NaN. Standalone, :meth:`watch` a model and judge :meth:`take`'s events with
-    :meth:`origin` (see the module docstring).
+    the inf or NaN. As a hook it hands each iteration its events (:data:`TRACE_NOTE`) once an
+    optimizer stepped or skipped, and starts a new list after the update. Standalone,
+    :meth:`watch` a model and judge :meth:`take`'s events with :meth:`origin` (see the module
+    docstring).
     """
+
+    unique = True  # one tracer covers every watched model
 
     def __init__(self) -> None:
         self._events: list[TraceEvent] = []
@@ -331,6 +346,16 @@ class NonFiniteTracer:
         """Return the recorded flags and start a new list (called once per iteration)."""
         events, self._events = self._events, []
         return events
+
+    def after_step(self, iteration: Iteration, record: OptimizerRecord, live: LiveState) -> None:
+        """As a hook: the iteration's events so far are its trace."""
+        iteration.notes[TRACE_NOTE] = self._events
+
+    on_skip = after_step  # a skip known in unscale_(), before any step: the same
+
+    def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
+        """As a hook: the iteration keeps its events; the next one starts a new list."""
+        iteration.notes[TRACE_NOTE] = self.take()
 
     @staticmethod
     def origin(events: list[TraceEvent]) -> str | None:

@@ -6,22 +6,23 @@ losses, the outcome) and never changes the step. It
 
 * keeps, per iteration, the overflow reports of optimizers that skipped (localized at once on
   the plain path, where ``step()`` already read the inf flag) and the inf flags of fused
-  optimizers (localized only when somebody asks, since reading them is a host sync);
-* drives what is attached to it: a :class:`~ampscaler.GradientProbe` measures on its
-  iterations, a :class:`~ampscaler.NonFiniteTracer` names the module an overflow came from,
-  the :class:`~ampscaler.CollapseWatch` looks at the counters every so many updates;
+  optimizers (localized only when somebody asks, since reading them is a host sync); the
+  module an overflow came from is judged from the events an attached
+  :class:`~ampscaler.NonFiniteTracer` left in the iteration's notes;
+* lets the :class:`~ampscaler.CollapseWatch` look at the counters every so many updates;
 * at ``update()``, when anything consumes records (a sink, :class:`~ampscaler.StepHistory`
   included, or an event callback), reads the iteration's outcome from the device in one host
-  sync and hands a :class:`~ampscaler.StepRecord` to the sinks, in the order they were added,
-  then to the callbacks; one that raises is reported once and starves none of the others
+  sync, with the results an attached :class:`~ampscaler.GradientProbe` left in the notes, and
+  hands a :class:`~ampscaler.StepRecord` to the sinks, in the order they were added, then to
+  the callbacks; one that raises is reported once and starves none of the others
   (:mod:`~ampscaler.observe.delivery`).
 
-With no sink, no callback and no probe or tracer, ``update()`` costs a few attribute checks here
-and never waits for the device.
+The probe and the tracer are hooks of their own (:mod:`ampscaler.hooks`); they meet the monitor
+only in the iteration's notes. With no sink and no callback, ``update()`` runs nothing here.
 
-The scaler's calls, in the order of one iteration: :meth:`~Monitor.before_check` and
-:meth:`~Monitor.note_step` per optimizer, then :meth:`~Monitor.after_update`, once the counters
-have counted the iteration.
+The scaler's calls, in the order of one iteration: :meth:`~Monitor.on_skip` per optimizer
+that skipped (known on the host), then :meth:`~Monitor.after_update`, once the counters have
+counted the iteration, and :meth:`~Monitor.periodic` when the collapse watch is due.
 """
 
 from __future__ import annotations
@@ -37,12 +38,11 @@ import torch
 from ..errors import InvalidConfigError
 from ..hooks import Hook
 from ..hostcopy import read_values
-from ..taps import WatchedModels
 from . import localize
 from .collapse import CollapseAlert, CollapseWatch, snapshot_of
 from .delivery import Delivery
-from .localize import NonFiniteTracer, OverflowReport, ParamNames, TraceEvent, merge_reports
-from .probe import GradientProbe, PendingProbe
+from .localize import TRACE_NOTE, NonFiniteTracer, OverflowReport, ParamNames, merge_reports
+from .probe import PROBE_NOTE, PendingProbe
 from .records import StepRecord
 from .sinks import Sink, StepHistory
 
@@ -76,7 +76,6 @@ class _Observed:
 
     reports: list[OverflowReport] = field(default_factory=list)
     localized: set[int] = field(default_factory=set)  # ids of the optimizers in reports
-    trace: list[TraceEvent] | None = None
     resolved: bool = False
     report: OverflowReport | None = None
 
@@ -89,29 +88,21 @@ def _observed(iteration: Iteration) -> _Observed:
 
 
 class Monitor(Hook):
-    """Overflow reports; the probe, tracer, sinks, callbacks and collapse watch attached.
+    """Overflow reports, step records for the sinks and callbacks, and the collapse watch.
 
     A hook (:mod:`ampscaler.hooks`) whose moments follow what is attached: by default only a
     skip known on the host (``on_skip``: localize it) and the collapse watch's checks
-    (``periodic``); ``after_update`` once anything consumes records or a probe or tracer is
-    attached; ``before_check`` with a probe. A clean default iteration runs none of it.
-
-    Args:
-        enabled: whether the scaler is enabled; a disabled one takes attachments but registers
-            no hooks.
+    (``periodic``); ``after_update`` once anything consumes records. A clean default iteration
+    runs none of it.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self) -> None:
         self.names = ParamNames()
-        self._enabled = enabled
         self._sinks: list[Sink] = []
         self._callbacks: dict[str, list[Callable[[Any], Any]]] = {event: [] for event in EVENTS}
         self._delivery = Delivery()  # a failing sink or callback starves no other
-        self._probe: GradientProbe | None = None
-        self._tracer: NonFiniteTracer | None = None
         self.collapse = CollapseWatch()
         self.collapse.callbacks = self._callbacks["collapse"]
-        self._models = WatchedModels()
 
     # ------------------------------------------------------------------ configuration
 
@@ -123,58 +114,23 @@ class Monitor(Hook):
     def moments(self) -> set[str]:
         """The moments it is due at, given what is attached."""
         due = {"on_skip", "periodic"}
-        if self.consuming or self._probe is not None or self._tracer is not None:
-            due.add("after_update")
-        if self._probe is not None:
-            due.add("before_check")
-        return due
+        return due | {"after_update"} if self.consuming else due
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
-        """Learn ``model``'s parameter names; the probe and tracer tap its modules."""
+        """Learn ``model``'s parameter names."""
         self.names.watch(model, prefix)
-        if not self._enabled:
-            return
-        self._models.add(model, prefix)
-        for observer in (self._probe, self._tracer):
-            if observer is not None:
-                observer.watch(model, prefix)
 
     def adopt(self, plugin: object) -> bool:
-        """Attach ``plugin`` if it is a probe or a tracer (one of each), which taps the models
-        watched so far and from now on, a collapse watch, which replaces the one in place, or a
-        sink, which gets every step record.
-
-        Raises:
-            InvalidConfigError: (a ``ValueError``) a probe or tracer is attached already.
-        """
+        """Attach ``plugin`` if it is a collapse watch, which replaces the one in place, or a
+        sink, which gets every step record."""
         if isinstance(plugin, CollapseWatch):
             plugin.tally, plugin.callbacks = self.collapse.tally, self.collapse.callbacks
             self.collapse = plugin
             return True
-        if isinstance(plugin, GradientProbe):
-            if self._probe is not None:
-                raise InvalidConfigError(
-                    f"This scaler already has {self._probe!r} attached; it takes one probe. "
-                    "Attach a single GradientProbe with the period you want."
-                )
-            self._probe = plugin
-        elif isinstance(plugin, NonFiniteTracer):
-            if self._tracer is not None:
-                raise InvalidConfigError(
-                    "This scaler already has a NonFiniteTracer attached; one tracer covers "
-                    "every watched model."
-                )
-            self._tracer = plugin
-        elif isinstance(plugin, Sink):
+        if isinstance(plugin, Sink):
             self.add_sink(plugin)
             return True
-        else:
-            return False
-        self.changed()
-        if self._enabled:
-            for model, prefix in self._models:
-                plugin.watch(model, prefix)
-        return True
+        return False
 
     def release(self, plugin: object) -> bool:
         """Stop sending records to ``plugin`` if it is one of the sinks (it is not closed)."""
@@ -227,20 +183,14 @@ class Monitor(Hook):
 
     # ------------------------------------------------------------------ the moments
 
-    def before_check(self, record: OptimizerRecord, scale: torch.Tensor) -> None:
-        """The probe measures the scaled gradients when due."""
-        if self._probe is not None:
-            self._probe.measure(record.optimizer, scale)
-
     def on_skip(self, iteration: Iteration, record: OptimizerRecord, live: LiveState) -> None:
         """A skip known on the host: localize it now, while the gradients are as the check saw
         them (host syncs, on skipped steps only); at the scale's floor, warn now."""
         counters = live.counters
         step = int(counters.steps.item())
-        events = None if self._tracer is None else self._tracer.events
         scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
         origin = iteration.loss_origin() if record.origin is None else record.origin
-        report = self._localize([record.optimizer], step, scale, events, origin)
+        report = self._localize([record.optimizer], step, scale, origin)
         observed = _observed(iteration)
         observed.reports.append(report)
         observed.localized.add(id(record.optimizer))
@@ -248,13 +198,8 @@ class Monitor(Hook):
         self.collapse.note_skip(report, lambda: int(counters.consecutive_skips.item()))
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
-        """Emit the iteration's record if anything consumes records; move the probe on; keep
-        the tracer's events with the iteration."""
-        pending = None if self._probe is None else self._probe.end_iteration()
-        if self._tracer is not None:
-            _observed(iteration).trace = self._tracer.take()
-        if self.consuming:
-            self._emit(iteration, live.counters, pending)
+        """Emit the iteration's record (due only while anything consumes records)."""
+        self._emit(iteration, live.counters, iteration.notes.get(PROBE_NOTE))
 
     def periodic(self, iteration: Iteration, live: LiveState, updates: int) -> int:
         """The collapse watch looks at the counters when it has work."""
@@ -313,22 +258,17 @@ class Monitor(Hook):
         optimizers: Iterable[torch.optim.Optimizer],
         step: int,
         scale: float,
-        events: list[TraceEvent] | None,
         origin: SkipOrigin,
     ) -> OverflowReport:
         report = localize.locate_overflow(
-            optimizers,
-            self.names,
-            step=step,
-            scale=scale,
-            origin=None if events is None else NonFiniteTracer.origin(events),
-            cause=origin.cause,
+            optimizers, self.names, step=step, scale=scale, cause=origin.cause
         )
         return dataclasses.replace(report, ranks=origin.ranks, micro_batch=origin.micro_batch)
 
     def _resolve(self, iteration: Iteration, step: int) -> OverflowReport | None:
         """The iteration's overflow report: the skips localized at the step, and the fused
-        optimizers' flags read and localized now (once)."""
+        optimizers' flags read and localized now (once); its origin judged from the tracer's
+        events, if one left them."""
         observed = _observed(iteration)
         if observed.resolved:
             return observed.report
@@ -341,13 +281,14 @@ class Monitor(Hook):
             and record.outcome.reason == "nonfinite"
         ]
         if overflowed and iteration.scale is not None:
-            events = observed.trace
-            if events is None and self._tracer is not None:
-                events = self._tracer.events
             scale = float(iteration.scale.item())
-            report = self._localize(overflowed, step, scale, events, iteration.loss_origin())
+            report = self._localize(overflowed, step, scale, iteration.loss_origin())
             reports.append(report)
             self.collapse.tally.add(report)
+        events = iteration.notes.get(TRACE_NOTE)
+        if reports and events is not None:
+            origin = NonFiniteTracer.origin(events)
+            reports[0] = dataclasses.replace(reports[0], origin=origin)
         observed.report = merge_reports(reports) if reports else None
         observed.resolved = True
         return observed.report
@@ -369,19 +310,16 @@ class Monitor(Hook):
     # ------------------------------------------------------------------ copies
 
     def __getstate__(self) -> dict[str, Any]:
-        # Sinks, callbacks, hooks and watched models belong to this process and this object;
-        # a copy keeps what configures it (the probe's and tracer's settings) and the history,
-        # and is watched and given sinks anew.
+        # Sinks, callbacks and watched names belong to this process and this object; a copy
+        # keeps the history and the collapse watch's settings, and is watched and given sinks
+        # anew.
         return {
-            "enabled": self._enabled,
             "histories": [sink for sink in self._sinks if isinstance(sink, StepHistory)],
-            "observers": [o for o in (self._probe, self._tracer) if o is not None]
-            + [self.collapse.fresh()],
+            "collapse": self.collapse.fresh(),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["enabled"])  # type: ignore[misc]
+        self.__init__()  # type: ignore[misc]
         for history in state["histories"]:
             self.add_sink(history)
-        for observer in state["observers"]:
-            self.adopt(observer)
+        self.adopt(state["collapse"])

@@ -36,9 +36,13 @@ become the reference, and elements whose reference is zero carry no signal and a
 reports for SSD; ``python -m ampscaler demo`` makes it on every probed step. It costs one more
 forward and backward, and holds the reference gradients until the probed backward has used them.
 
-Everything is computed on the device. Attached to a scaler, the results travel with the step
-record's one host sync (:attr:`StepRecord.probe <ampscaler.StepRecord.probe>`); standalone,
-:meth:`PendingProbe.read` reads them. The module hooks exist only during probed iterations.
+Everything is computed on the device. Attached to a scaler, the probe is one of its hooks
+(:mod:`ampscaler.hooks`): it measures before each optimizer's check and ends its iteration
+before the update, leaving the results in the iteration's notes (:data:`PROBE_NOTE`), where the
+step record's one host sync reads them (:attr:`StepRecord.probe <ampscaler.StepRecord.probe>`).
+Because its schedule is a Python count, ``update()`` runs eagerly under ``torch.compile`` while
+a probe is attached. Standalone, :meth:`PendingProbe.read` reads the results. The module hooks
+exist only during probed iterations.
 
 Example:
     Standalone (a scaler calls :meth:`~GradientProbe.measure` and
@@ -68,18 +72,24 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import InvalidConfigError
 from ..grads.collect import grad_views
+from ..hooks import Hook
 from ..policy.base import FP16_MAX
 from ..taps import GradTaps, WatchedModels
 from .plain import Plain
 
+if TYPE_CHECKING:
+    from ..iteration import Iteration, OptimizerRecord
+    from ..state import LiveState
+
 __all__ = [
     "FP16_MAX",
+    "PROBE_NOTE",
     "GradientProbe",
     "PendingProbe",
     "ProbeResult",
@@ -91,6 +101,9 @@ __all__ = [
 FLUSH_TO_ZERO = 2.0**-25  # fp16 rounds |x| <= 2**-25 to zero (half the smallest subnormal)
 SMALLEST_NORMAL = 2.0**-14
 WORST_MODULES = 10
+
+#: Where an attached probe leaves an iteration's :class:`PendingProbe` in ``Iteration.notes``.
+PROBE_NOTE = "probe"
 
 
 @dataclass(frozen=True)
@@ -296,8 +309,12 @@ def _check_count(name: str, value: object, *, optional: bool) -> None:
 
 
 @dataclass(eq=False)
-class GradientProbe:
+class GradientProbe(Hook):
     """Measures the gradients of every ``every``-th iteration; see the module docstring.
+
+    Attached to a scaler (``scaler.attach(GradientProbe(...))``), it is a hook that measures
+    each optimizer's gradients before their check and ends its iteration before the update;
+    a scaler takes one (a step record holds one probe's results).
 
     Args:
         every: probe the first iteration after attaching and every ``every``-th after it.
@@ -309,6 +326,7 @@ class GradientProbe:
 
     every: int = 1
     worst_modules: int | None = field(default=WORST_MODULES, kw_only=True)
+    unique = True  # a step record holds one probe's results
 
     def __post_init__(self) -> None:
         _check_count("every", self.every, optional=False)
@@ -403,6 +421,17 @@ class GradientProbe:
                 )
                 self._maxima.append(flat.max().float())
                 self._elements += flat.numel()
+
+    def before_check(self, record: OptimizerRecord, scale: torch.Tensor) -> None:
+        """As a hook: :meth:`measure` the optimizer's gradients, still scaled by ``scale``."""
+        self.measure(record.optimizer, scale)
+
+    def before_update(self, iteration: Iteration, live: LiveState) -> None:
+        """As a hook: :meth:`end_iteration`, leaving its results in ``iteration``'s notes
+        (:data:`PROBE_NOTE`) for the step record."""
+        pending = self.end_iteration()
+        if pending is not None:
+            iteration.notes[PROBE_NOTE] = pending
 
     def end_iteration(self) -> PendingProbe | None:
         """End the iteration: its results (``None`` if it measured nothing), and the hooks set

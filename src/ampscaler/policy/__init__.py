@@ -8,8 +8,8 @@
   gradient magnitudes), and :mod:`~ampscaler.policy.meter`, which measures for it.
 
 This module also turns a :class:`~ampscaler.GradScaler`'s arguments into a policy
-(:func:`policy_from_arguments`), and a state dict back into one (:func:`policy_from_state_dict`):
-the only places that know the built-in policies by name.
+(:func:`policy_from_arguments`), and holds the built-in policies by the name checkpoints know
+them by (:data:`BUILT_IN`; the format itself is :mod:`ampscaler.checkpoint`'s).
 
 Example:
     >>> import torch
@@ -42,11 +42,11 @@ from .base import (
     float32_value,
     pow2_exponent,
 )
-from .derived import from_checkpoint, from_torch_dict, policy_name
 from .headroom import HeadroomPolicy, HeadroomState
 from .scale import ScalePolicy, ScaleState, StaticPolicy
 
 __all__ = [
+    "BUILT_IN",
     "FP16_MAX",
     "LOWEST_SCALE",
     "BasicState",
@@ -64,7 +64,6 @@ __all__ = [
     "check_scale",
     "float32_value",
     "policy_from_arguments",
-    "policy_from_state_dict",
     "pow2_exponent",
     "require_policy",
 ]
@@ -115,46 +114,3 @@ def require_policy(value: object, also: str = "") -> Policy:
         "ampscaler.HeadroomPolicy, or an object of your own subclass of ampscaler.Policy"
         f"{accepted}, got {type(value).__name__}."
     )
-
-
-def _legacy_kind(saved: Mapping[str, Any]) -> str | None:
-    """The kind of policy a state dict without a ``policy`` key was saved with (ampscaler
-    0.1.0's, which knew three); ``None`` for torch's own dict."""
-    if "headroom" in saved:
-        return "HeadroomPolicy"
-    if "dynamic" not in saved:
-        return None
-    dynamic = saved["dynamic"]
-    if not isinstance(dynamic, bool):
-        raise InvalidConfigError(f"dynamic must be True or False, got {dynamic!r}.")
-    return "ScalePolicy" if dynamic else "StaticPolicy"
-
-
-def policy_from_state_dict(
-    saved: Mapping[str, Any], current: Policy
-) -> tuple[Policy, dict[str, Any]]:
-    """The policy a state dict restores, and its own state values (validated), for a scaler
-    that holds ``current``.
-
-    A dict names its policy under ``policy``; older ampscaler dicts are recognized by their
-    keys. A policy of the same kind as ``current`` is restored through ``current`` (so a user's
-    own policy restores), a built-in one through a default instance; torch's own dict leaves
-    ``current`` as it is, with torch's rule numbers where it has them.
-
-    Raises:
-        InvalidConfigError: a policy this scaler cannot restore, or invalid values.
-    """
-    kind = saved.get("policy", _legacy_kind(saved))
-    if kind is None:
-        return from_torch_dict(current, saved), {}
-    if not isinstance(kind, str):
-        raise InvalidConfigError(f"policy must be the name of a policy, got {kind!r}.")
-    current_kind = policy_name(current)
-    prototype = current if kind == current_kind else BUILT_IN.get(kind)
-    if prototype is None:
-        raise InvalidConfigError(
-            f"the checkpoint was saved by a scaler with policy {kind!r}, which this scaler "
-            f"(policy {current_kind!r}) cannot make: construct the scaler with a {kind} before "
-            "loading it."
-        )
-    return from_checkpoint(prototype, saved)

@@ -21,8 +21,9 @@ What a policy provides, and where the scaler uses it (eight things, one of them 
 ========================================  ===================================================
 
 Everything else is derived from its dataclass fields by :mod:`ampscaler.policy.derived`: its
-name, its settings (saved in checkpoints, compared across ranks), torch's getters and
-checkpoint keys, and the pure transition (:func:`adjusted`: :meth:`~Policy.update_` on copies).
+name, its settings (compared across ranks), torch's getters and checkpoint keys, and the pure
+transition (:func:`adjusted`: :meth:`~Policy.update_` on copies); :mod:`ampscaler.checkpoint`
+saves and restores its settings and state.
 
 Writing one takes a frozen dataclass and :meth:`~Policy.update_`, written with ``torch.where``
 so that it never waits for the device::
@@ -89,13 +90,20 @@ is no longer exact in float32, and from ``2**-128`` on it is infinite: unscaling
 inf/NaN into finite gradients (docs/migration.md)."""
 
 
+def _held(value: object) -> object:
+    """The Python number a one-element tensor or a numpy scalar holds (torch accepts them where
+    it takes a number); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return value.item()
+    if hasattr(value, "dtype") and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return value.item()  # a numpy scalar
+    return value
+
+
 def require_number(name: str, value: object) -> float:
     """``value`` as a float if it is a real number (numpy scalars and one-element tensors
     included, as torch accepts them), else :class:`InvalidConfigError` naming ``name``."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    elif hasattr(value, "dtype") and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        value = value.item()  # a numpy scalar
+    value = _held(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidConfigError(f"{name} must be a real number, got {value!r}.")
     return float(value)
@@ -112,11 +120,7 @@ def require_int(
     """``value`` as an int if it is an integer (numpy integers and one-element integer tensors
     included, as torch accepts them; with ``integral_floats`` also floats such as ``3.0``)
     within ``[minimum, maximum]``, else :class:`InvalidConfigError` naming ``name``."""
-    number: object = value
-    if isinstance(number, torch.Tensor) and number.numel() == 1 and not number.is_complex():
-        number = number.item()
-    elif hasattr(number, "dtype") and hasattr(number, "item") and getattr(number, "ndim", 1) == 0:
-        number = number.item()  # a numpy scalar
+    number = _held(value)
     if integral_floats and isinstance(number, float) and number.is_integer():
         number = int(number)
     within = f">= {minimum}" if maximum is None else f">= {minimum} and <= {_shown(maximum)}"
@@ -270,22 +274,15 @@ class Meter(Protocol):
     def detach(self) -> None: ...
 
 
-def _scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
-    return torch.full((), scale, dtype=torch.float32, device=device)
-
-
-def _tracker_tensor(tracker: int, device: torch.device) -> torch.Tensor:
-    return torch.full((), tracker, dtype=torch.int32, device=device)
-
-
 class Policy(abc.ABC):
     """How the loss scale moves: the protocol every policy implements (module docstring).
 
     Subclasses are frozen dataclasses of Python numbers, validated on construction. Only
     :meth:`update_` is required; the other seven have defaults that fit a policy whose state is
     :class:`BasicState` and whose scale may take any value. Its name, the settings ranks
-    compare, torch's getters and its checkpoint entries are read from its dataclass fields by
-    :mod:`ampscaler.policy.derived`, not asked of it.
+    compare and torch's getters are read from its dataclass fields by
+    :mod:`ampscaler.policy.derived`, its checkpoint entries by :mod:`ampscaler.checkpoint`, not
+    asked of it.
     """
 
     # ------------------------------------------------------------------ the state
@@ -297,7 +294,10 @@ class Policy(abc.ABC):
         as Python numbers or lists, as :meth:`own_values` gives them; validated already),
         fresh where ``values`` lacks them. The default makes a :class:`BasicState`."""
         tracker = 0 if values is None else int(values.get("growth_tracker", 0))
-        return BasicState(_scale_tensor(scale, device), _tracker_tensor(tracker, device))
+        return BasicState(
+            torch.full((), scale, dtype=torch.float32, device=device),
+            torch.full((), tracker, dtype=torch.int32, device=device),
+        )
 
     def own_values(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         """This policy's own state values (beyond scale and growth tracker) from a checkpoint's

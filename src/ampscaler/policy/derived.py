@@ -1,21 +1,18 @@
 """What the scaler derives from a policy's dataclass fields: its name, its settings, torch's rule,
-its checkpoint entries, and whether its scale stays a power of two.
+and whether its scale stays a power of two.
 
 A policy class holds its state and its transition (:class:`~ampscaler.Policy`); everything
 else the scaler needs of it is read from its fields here, so that a policy of one's own is a
 dataclass and one method:
 
 - **name**: the class name (``state_dict()["policy"]``);
-- **settings**: the fields, as Python values; ranks compare them at every step;
+- **settings**: the fields, as Python values; ranks compare them at every step, and checkpoints
+  save them (the format is :mod:`ampscaler.checkpoint`'s);
 - **torch's rule** (``get_growth_factor()`` & co., torch's checkpoint keys): the fields named
   ``growth_factor``, ``backoff_factor``, ``growth_interval``, torch's defaults for those it
   lacks (a :class:`~ampscaler.HeadroomPolicy` reports ``recovery_interval`` as its growth
   interval); ``set_growth_factor()`` & co. replace fields of those names, and are refused by a
   policy that has none;
-- **checkpoint entries**: a ``policy_state`` section with the fields and the policy's own state
-  values. The built-in policies keep the layout of ampscaler 0.1 (the rule's keys beside
-  torch's, a :class:`~ampscaler.HeadroomPolicy`'s section named ``headroom``), so that older
-  checkpoints load;
 - **powers of two**: an optional extra a policy may define (``power_of_two``; the built-in
   policies do), read here where present.
 
@@ -36,42 +33,22 @@ from typing import Any
 
 from ..errors import InvalidConfigError, ScalerUsageError
 from .base import Policy, PowerOfTwo, TorchRule
-from .headroom import HeadroomPolicy
-from .scale import INT32_MAX, ScalePolicy, StaticPolicy, saved_int
 
 __all__ = [
-    "checkpoint_entries",
     "comparable",
-    "compared_settings",
-    "from_checkpoint",
-    "from_torch_dict",
     "policy_fields",
     "policy_name",
     "power_of_two",
+    "rule_settings",
     "torch_rule",
     "with_fields",
     "with_rule",
 ]
 
-#: Where a field of torch's rule lives in a built-in policy under another name.
-_TORCH_ALIASES: dict[type[Policy], dict[str, str]] = {
-    HeadroomPolicy: {"growth_interval": "recovery_interval"},
-}
-#: Settings a built-in policy gained since ampscaler 0.1, and the setting whose value an older
-#: checkpoint's run had for it (a HeadroomPolicy's young history kept its one margin).
-_ADDED_SINCE_0_1: dict[type[Policy], dict[str, str]] = {
-    HeadroomPolicy: {"first_margin": "margin"},
-}
-#: The built-in policies that save the rule's keys beside torch's (ampscaler 0.1's layout).
-_FLAT: tuple[type[Policy], ...] = (
-    ScalePolicy,
-    StaticPolicy,
-    HeadroomPolicy,
-)
-#: The section a policy's settings and own values are saved in (by default ``policy_state``).
-_SECTIONS: dict[type[Policy], str] = {
-    HeadroomPolicy: "headroom",
-}
+#: Where a field of torch's rule lives in a built-in policy under another name (by its name).
+_TORCH_ALIASES = {"HeadroomPolicy": {"growth_interval": "recovery_interval"}}
+#: The built-in policies, which state the rule's settings whatever their kind (by name).
+_BUILT_IN = ("ScalePolicy", "StaticPolicy", "HeadroomPolicy")
 
 
 def policy_name(policy: Policy) -> str:
@@ -110,7 +87,7 @@ def with_fields(policy: Policy, fields: Mapping[str, Any]) -> Policy:
 
 def torch_rule(policy: Policy) -> TorchRule:
     """The rule torch's getters report and ``state_dict()`` saves under torch's keys."""
-    aliases = _TORCH_ALIASES.get(type(policy), {})
+    aliases = _TORCH_ALIASES.get(policy_name(policy), {})
     fields = policy_fields(policy)
     found = {
         name: fields[aliases.get(name, name)]
@@ -146,29 +123,28 @@ def power_of_two(policy: Policy) -> PowerOfTwo | None:
     return rule
 
 
-def _flat_settings(policy: Policy) -> dict[str, Any]:
-    """The rule's keys every built-in policy saves beside torch's (ampscaler 0.1's layout), so
-    that a ``torch.distributed.checkpoint`` template of one finds them in another's."""
+def rule_settings(policy: Policy) -> dict[str, Any] | None:
+    """The rule's settings a built-in policy states whatever its kind (ampscaler 0.1's keys:
+    ranks running different built-in policies name the numbers that differ, and a
+    ``torch.distributed.checkpoint`` template of one finds them in another's); ``None`` for
+    a policy of one's own.
+
+    Example:
+        >>> from ampscaler import StaticPolicy
+        >>> rule_settings(StaticPolicy())["hysteresis"], rule_settings(StaticPolicy())["dynamic"]
+        (1, False)
+    """
+    name = policy_name(policy)
+    if name not in _BUILT_IN:
+        return None
     fields = policy_fields(policy)
     return {
         "hysteresis": fields.get("hysteresis", 1),
         "min_scale": fields.get("min_scale"),
         "max_scale": fields.get("max_scale"),
-        "dynamic": not isinstance(policy, StaticPolicy),
+        "dynamic": name != "StaticPolicy",
         "backoff_on_nonfinite_loss": not policy.holds_on_nonfinite_loss,
     }
-
-
-def compared_settings(policy: Policy) -> dict[str, Any]:
-    """The settings ranks compare before they agree (beside torch's rule and the name), each a
-    Python number, string, bool or ``None``."""
-    if not isinstance(policy, _FLAT):
-        return policy_fields(policy)
-    own = {}
-    if type(policy) in _SECTIONS:
-        section = _SECTIONS[type(policy)]
-        own = {f"{section}.{name}": value for name, value in policy_fields(policy).items()}
-    return {**_flat_settings(policy), **own}
 
 
 def comparable(policy: Policy) -> dict[str, Any]:
@@ -176,74 +152,6 @@ def comparable(policy: Policy) -> dict[str, Any]:
     return {
         **torch_rule(policy)._asdict(),
         "policy": policy_name(policy),
-        **compared_settings(policy),
+        **(rule_settings(policy) or {}),
+        **policy_fields(policy),
     }
-
-
-def checkpoint_entries(policy: Policy, values: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``state_dict()`` holds for ``policy`` beyond torch's keys, given its own state
-    ``values`` (scale and growth tracker left out)."""
-    section = _SECTIONS.get(type(policy), "policy_state")
-    if not isinstance(policy, _FLAT):
-        return {section: {**policy_fields(policy), **values}}
-    entries = {**_flat_settings(policy), "_hysteresis_tracker": values.get("hysteresis_left", 1)}
-    if type(policy) in _SECTIONS:
-        entries[section] = {**policy_fields(policy), **values}
-    return entries
-
-
-def from_checkpoint(policy: Policy, saved: Mapping[str, Any]) -> tuple[Policy, dict[str, Any]]:
-    """The policy of ``policy``'s kind and its own state values that ``saved`` (a state dict
-    naming that kind) restores, validated; :func:`checkpoint_entries`' counterpart.
-
-    Raises:
-        InvalidConfigError: the section is missing or holds invalid values.
-    """
-    if isinstance(policy, ScalePolicy):
-        return _scale_policy(policy, saved)
-    if isinstance(policy, StaticPolicy):
-        return StaticPolicy(), {}
-    name = _SECTIONS.get(type(policy), "policy_state")
-    section = saved.get(name)
-    if not isinstance(section, Mapping):
-        raise InvalidConfigError(
-            f"the checkpoint was saved with a {policy_name(policy)}, but holds no {name!r} "
-            f"section with its settings (got {section!r}). When loading through a template "
-            "(torch.distributed.checkpoint), make the template with a scaler constructed with "
-            f"the same policy, so that it has the section."
-        )
-    restored = with_fields(policy, {**_added_since_0_1(policy, section), **section})
-    own = {key: value for key, value in section.items() if key not in policy_fields(restored)}
-    return restored, restored.own_values(own)
-
-
-def _scale_policy(current: ScalePolicy, saved: Mapping[str, Any]) -> tuple[Policy, dict[str, Any]]:
-    """The rule from torch's keys, and from ampscaler's where present (``current``'s values
-    where not), and the hysteresis budget."""
-    fields = policy_fields(current)
-    restored = ScalePolicy(**{name: saved.get(name, value) for name, value in fields.items()})
-    budget = saved_int(
-        "_hysteresis_tracker",
-        saved.get("_hysteresis_tracker", restored.hysteresis),
-        0,
-        INT32_MAX,
-    )
-    if budget > restored.hysteresis:
-        raise InvalidConfigError(
-            f"_hysteresis_tracker must not exceed hysteresis ({restored.hysteresis}), got {budget}."
-        )
-    return restored, {"hysteresis_left": budget}
-
-
-def _added_since_0_1(policy: Policy, section: Mapping[str, Any]) -> dict[str, Any]:
-    """Settings added since ampscaler 0.1, with the values an older checkpoint's run had."""
-    return {new: section.get(old) for new, old in _ADDED_SINCE_0_1.get(type(policy), {}).items()}
-
-
-def from_torch_dict(policy: Policy, saved: Mapping[str, Any]) -> Policy:
-    """The policy after loading torch's own state dict (only torch's five keys): torch's rule
-    numbers replace the fields of those names, where ``policy`` has them (a
-    :class:`~ampscaler.ScalePolicy`); any other policy stays as constructed."""
-    if not isinstance(policy, ScalePolicy):
-        return policy
-    return dataclasses.replace(policy, **{name: saved[name] for name in TorchRule._fields})
