@@ -58,7 +58,7 @@ from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
 from .guards import GuardSet
-from .hooks import Check, Hook, HookList, MeterHook
+from .hooks import FLUSH_VETO, Check, Hook, HookList, MeterHook
 from .hostcopy import read_values
 from .iteration import (
     Attempt,
@@ -858,12 +858,13 @@ class GradScaler(TorchPrivateNames):
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
             )
-        first_backoff: HostState | None = None  # the state the first try's overflow left
+        first_backoff: HostState | None = None  # the state the first overflow left
         search = not self._last_batch_clean  # the run's scale is a guess: search below it
         self._last_batch_clean = False
         failed = 0.0  # the scale of the last try that overflowed
+        first = 0  # the number of the first try that overflowed
         for number in range(limit):
-            if first_backoff is not None and number >= 2 and search:
+            if first_backoff is not None and number >= first + 2 and search:
                 failed = retry_scale(failed, limit - number)
                 self._rewind(first_backoff, failed)
             started = self._iteration
@@ -877,17 +878,20 @@ class GradScaler(TorchPrivateNames):
                 return
             self._require_one_update(started)
             last = number + 1 == limit
-            if first_backoff is None:  # the first try
+            if first_backoff is None:  # no overflow yet
                 if last:
-                    return  # max_attempts=1: nothing to decide
+                    return  # max_attempts=1, or flushed to the last: nothing to decide
+                if self._flushed(started):  # vetoed: again, at the scale the policy grew to
+                    self._state.count_replay()
+                    continue
                 if not self._overflowed(started):
                     self._last_batch_clean = True
                     return
                 first_backoff = self._state.snapshot()
-                failed = first_backoff.scale
+                failed, first = first_backoff.scale, number
             else:
                 overflowed = self._overflowed(started)
-                if number == 1 and not overflowed:
+                if number == first + 1 and not overflowed:
                     self._last_batch_clean = True
                     return  # one retry got it through: torch's scaler under a loop by hand
                 if last or not overflowed:
@@ -912,6 +916,19 @@ class GradScaler(TorchPrivateNames):
                 "once per try (after step() for every optimizer), so that each try is one "
                 "iteration the scaler can decide on."
             )
+
+    def _flushed(self, iteration: Iteration) -> bool:
+        """Whether a measuring policy's meter vetoed ``iteration``'s steps because every
+        measured gradient flushed to zero (:class:`~ampscaler.hooks.MeterHook`). Reads its
+        flag only where a step was skipped (a plain step's outcome is known on the host; a
+        fused one's is read)."""
+        flag = iteration.notes.get(FLUSH_VETO)
+        if flag is None:  # not measured, or no meter that vetoes
+            return False
+        records = iteration.records.values()
+        if not any(record.outcome is not None and record.outcome.skipped for record in records):
+            return False
+        return bool(flag.item())
 
     def _overflowed(self, iteration: Iteration) -> bool:
         """Whether ``iteration`` was skipped because its scaled gradients overflowed (and not
@@ -1008,10 +1025,13 @@ class GradScaler(TorchPrivateNames):
         - ``skipped``: 1 if the last iteration (the last ``update()``) skipped a step, else 0;
         - ``skip_cause``: why, as a number: 0 it stepped, 1 its scaled gradients overflowed
           (the scale backed off), 2 a loss was already inf/NaN before scaling, 3 a guard
-          vetoed finite gradients;
+          vetoed finite gradients, 4 a measuring policy's meter vetoed them because every
+          measured gradient flushed to zero before anything was measured (it would have
+          applied zeros; the scale grows, and :meth:`attempts` runs the batch again);
         - ``steps``, ``skips``, ``replays``, ``growths``, ``backoffs``, ``spike_skips``,
           ``consecutive_skips``: the running counts (:attr:`stats`; ``skips`` is
-          ``stats.skipped``);
+          ``stats.skipped``; ``spike_skips`` counts every veto of finite gradients, cause 3
+          and 4);
         - ``flushed_measurements``, with a measuring policy (:class:`~ampscaler.HeadroomPolicy`):
           measured iterations whose every measured gradient was zero in float16 at their scale.
           The first time it reads a count above 0 it warns (a
@@ -1045,13 +1065,16 @@ class GradScaler(TorchPrivateNames):
             scale, stats, cause = self.get_scale(), self._state.stats(), 0
         else:
             counted = getattr(live.tensors, "flushed", None)  # a measuring policy's count
-            extra = [] if counted is None else [counted]
+            veto = finished.notes.get(FLUSH_VETO)  # the meter's veto, where it could veto
+            extra = [t for t in (counted, veto) if t is not None]
             flags = finished.outcome_flags()
             read = read_values([live.scale, live.counters.values, flags, *extra])
             scale, stats = read[0], ScalerStats(*read[1])
             found, spike, loss = read[2]
             cause = (2 if loss > 0 else 1) if found > 0 else (3 if spike > 0 else 0)
-            flushed = int(read[3]) if extra else None
+            if veto is not None and cause == 3 and read[-1] > 0:
+                cause = 4  # every measured gradient flushed to zero
+            flushed = int(read[3]) if counted is not None else None
         values: dict[str, float | int] = {
             "scale": float(scale),
             "skipped": int(cause > 0),
