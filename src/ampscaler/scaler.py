@@ -150,6 +150,22 @@ def _scale_nested(
     return scaled(outputs)
 
 
+def _distributed_started() -> bool:
+    """Whether torch.distributed runs a process group in this process (no collective)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+#: The first try of a batch, by ``max_attempts``: made once (a clean batch's only try).
+_FIRST_TRIES: dict[int, Attempt] = {}
+
+
+def _first_try(limit: int) -> Attempt:
+    first = _FIRST_TRIES.get(limit)
+    if first is None:
+        first = _FIRST_TRIES.setdefault(limit, Attempt(0, limit))
+    return first
+
+
 class OneRank:
     """The :class:`~ampscaler.distributed.Agreement` of a rank that decides alone (no
     ``process_group``): the verdict is the rank's own flag, read where the step needs it.
@@ -853,7 +869,9 @@ class GradScaler(TorchPrivateNames):
                 and a rank that replays alone leaves the others waiting).
         """
         limit = check_attempts(max_attempts)
-        if self._enabled:
+        # A rank alone (no process_group) among several is refused; asked only where there
+        # could be several (the full check costs a clean 0.7 ms batch some 0.05%).
+        if self._enabled and self._agreement.ranks is None and _distributed_started():
             self._agreement.refuse_alone(
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
@@ -870,17 +888,21 @@ class GradScaler(TorchPrivateNames):
             started = self._iteration
             started.attempt = number  # the try at its batch the iteration in progress is
             try:
-                yield Attempt(number, limit)
+                yield _first_try(limit) if number == 0 else Attempt(number, limit)
             finally:
                 if self._iteration is started:  # the body did not end it: not a try
                     started.attempt = 0
             if not self._enabled:
                 return
-            self._require_one_update(started)
+            if self._finished is not started:
+                self._require_one_update(started)  # raises: not one update() in the body
             last = number + 1 == limit
             if first_backoff is None:  # no overflow yet
                 if last:
                     return  # max_attempts=1, or flushed to the last: nothing to decide
+                if started.overflow_known() is False and FLUSH_VETO not in started.notes:
+                    self._last_batch_clean = True  # stepped, known on the host: no read
+                    return
                 if self._flushed(started):  # vetoed: again, at the scale the policy grew to
                     self._state.count_replay()
                     continue
