@@ -150,3 +150,29 @@ def test_an_iteration_that_is_not_measured_gets_no_veto_flag() -> None:
         opt.zero_grad()
     # Iteration 0 is measured; 1 and 2 are not: no flag, nothing to read.
     assert flagged == [True, False, False]
+
+
+def test_with_a_process_group_the_veto_is_agreed_and_the_batch_replayed() -> None:
+    """On one gloo rank: the veto's measurement goes through the agreement's max-reduction
+    (every rank vetoes alike) and the batch is replayed as without a group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _mlp()
+        opt = _Recording(model.parameters(), lr=0.1)
+        policy = HeadroomPolicy()
+        scaler = GradScaler("cpu", policy=policy, process_group=dist.group.WORLD)
+        scaler.watch(model)
+        scales = []
+        for x in _batches(2):
+            for _ in scaler.attempts():
+                scales.append(scaler.get_scale())
+                opt.zero_grad()
+                scaler.scale(_loss(model, x)).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert scales[:2] == [1.0, FLUSH_JUMP] and len(scales) == 3
+        assert len(opt.nonzero) == 2 and min(opt.nonzero) > 0
+    finally:
+        dist.destroy_process_group()
