@@ -333,16 +333,18 @@ class MeterHook(Hook):
         self.meter = meter
         self._agreement = agreement
         self._veto: Callable[..., torch.Tensor | None] | None = getattr(meter, "veto", None)
+        self._vetoing = self._may_veto()
 
-    def _vetoes(self) -> bool:
-        """Whether the meter may veto the iteration in progress (it vetoes, and measures it)."""
-        return self._veto is not None and bool(getattr(self.meter, "may_veto", True))
+    def _may_veto(self) -> bool:
+        """Whether the meter may veto the iteration in progress (once it may not, it never
+        may again: its ``may_veto`` holds for the first iterations only)."""
+        return self._veto is not None and bool(getattr(self.meter, "may_veto", False))
 
     def moments(self) -> Collection[str]:
-        """Its moments; ``after_check`` only on iterations the meter may veto, so that one it
-        does not measure costs nothing there."""
+        """Its moments; ``after_check`` only while the meter may veto, so that the iterations
+        after cost nothing there."""
         due = super().moments()
-        return due if self._vetoes() else [m for m in due if m != "after_check"]
+        return due if self._vetoing else [m for m in due if m != "after_check"]
 
     def after_check(self, check: Check) -> torch.Tensor | None:
         """The meter's veto of this step (class docstring); no host sync."""
@@ -376,10 +378,10 @@ class MeterHook(Hook):
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
         if iteration.by_policy:
-            vetoed = self._vetoes()
             self.meter.advance()
-            if self._vetoes() != vetoed:
-                self.changed()  # after_check is due, or no longer
+            if self._vetoing and not self._may_veto():
+                self._vetoing = False
+                self.changed()  # after_check is no longer due
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         self.meter.watch(model, prefix)

@@ -150,9 +150,13 @@ def _scale_nested(
     return scaled(outputs)
 
 
+#: Whether this build of torch has torch.distributed (it cannot change while running).
+_DISTRIBUTED = torch.distributed.is_available()
+
+
 def _distributed_started() -> bool:
     """Whether torch.distributed runs a process group in this process (no collective)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return _DISTRIBUTED and torch.distributed.is_initialized()
 
 
 #: The first try of a batch, by ``max_attempts``: made once (a clean batch's only try).
