@@ -836,7 +836,10 @@ class GradScaler(TorchPrivateNames):
         and otherwise, while the scale is still a guess (the first batch, and after a batch
         that needed more), at scales that bisect in binades down to 1, the last try at 1
         (:func:`~ampscaler.replay.retry_scale`): a warm-up from ``2**16`` to a ceiling of
-        ``2**7`` loses no batch at the default ``max_attempts``.
+        ``2**7`` loses no batch at the default ``max_attempts``. A try whose step a measuring
+        policy's meter vetoed because every measured gradient flushed to zero
+        (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss) runs again
+        within ``max_attempts`` at the scale the policy raised it to; nothing is rewound.
         Accumulation over micro-batches, several optimizers, fused optimizers and a compiled
         step inside the body all work; checkpoints go between batches.
 
