@@ -876,8 +876,7 @@ class GradScaler(TorchPrivateNames):
                 and a rank that replays alone leaves the others waiting).
         """
         limit = check_attempts(max_attempts)
-        # A rank alone (no process_group) among several is refused; asked only where there
-        # could be several (the full check costs a clean 0.7 ms batch some 0.05%).
+        # A rank alone among several is refused: asked only where a process group runs.
         if self._enabled and self._agreement.ranks is None and _distributed_started():
             self._agreement.refuse_alone(
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
@@ -907,13 +906,12 @@ class GradScaler(TorchPrivateNames):
             if first_backoff is None:  # no overflow yet
                 if last:
                     return  # max_attempts=1, or flushed to the last: nothing to decide
-                if started.overflow_known() is False and FLUSH_VETO not in started.notes:
-                    self._last_batch_clean = True  # stepped, known on the host: no read
-                    return
-                if self._flushed(started):  # vetoed: again, at the scale the policy grew to
+                # Stepped, known on the host (the common case): nothing to read.
+                clean = started.overflow_known() is False and FLUSH_VETO not in started.notes
+                if not clean and self._flushed(started):  # again, where the policy grew to
                     self._state.count_replay()
                     continue
-                if not self._overflowed(started):
+                if clean or not self._overflowed(started):
                     self._last_batch_clean = True
                     return
                 first_backoff = self._state.snapshot()
