@@ -29,10 +29,12 @@ them alike.
 
 Per arm: ordinary and outlier batches lost (the batch's last try skipped), skipped tries,
 extra passes (tries beyond one per batch), mean log2 of the scale each batch started at, the
-measured underflow (every ``--probe-every`` batches, before the arms train on it: the share of
-parameter-gradient elements that are nonzero in an fp32 backward but zero in the arm's float16
-backward at its scale; in ``--json`` also from batch 1 on, without batch 0's probe, which
-finds ``HeadroomPolicy`` at its ``first_scale`` of 1), the held-out loss (fp32, after
+measured underflow (every ``--probe-every`` batches, on the arm's model as it was before the
+batch: the share of parameter-gradient elements that are nonzero in an fp32 backward but zero
+in the arm's float16 backward at the scale of its last try at the batch, the gradients it
+stepped on or, where every try was skipped, the last it saw; in ``--json`` also from batch 1
+on, without batch 0's probe, which finds ``HeadroomPolicy`` at its ``first_scale`` of 1 where
+no veto replays the batch), the held-out loss (fp32, after
 training) over the fp32 arm's, the median thread time of a clean batch (one try, stepped)
 over torch's, for the torch-rule arms the largest binades by which the scale right after an
 outlier sits below torch's own 20 batches after it, and, for the arms under ``attempts()``,
@@ -363,13 +365,17 @@ def one_try(work: Workload, trainer: Trainer, batch: Batch) -> bool:
     return was_skipped if is_torch else skipped(scaler, trainer.optimizer)
 
 
-def train_batch(work: Workload, trainer: Trainer, batch: Batch, number: int) -> None:
+def train_batch(work: Workload, trainer: Trainer, batch: Batch, number: int) -> float:
+    """Train ``batch`` (every try of it); the scale its last try ran at."""
     tally, scaler = trainer.tally, trainer.scaler
     tally.start_scales.append(1.0 if scaler is None else scaler.get_scale())
     tries = scaler.attempts() if trainer.arm.attempts else range(1)
+    last_scale = tally.start_scales[-1]
     start = time.thread_time()
     count, last = 0, False
     for _ in tries:
+        if count:  # a replay (never a clean batch's time): the scale it runs at
+            last_scale = scaler.get_scale()
         count += 1
         last = one_try(work, trainer, batch)
         tally.skips += last
@@ -383,16 +389,18 @@ def train_batch(work: Workload, trainer: Trainer, batch: Batch, number: int) -> 
             tally.lost_outliers += 1
         else:
             tally.lost_ordinary += 1
+    return last_scale
 
 
 def param_grads(model: nn.Module) -> list[Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-def probe_underflow(work: Workload, trainer: Trainer, batch: Batch, number: int) -> None:
-    """Count the gradient elements nonzero in fp32 but zero in float16 at the arm's scale."""
-    model, scaler = trainer.model, trainer.scaler
-    scale = scaler.get_scale()
+def probe_underflow(
+    work: Workload, trainer: Trainer, model: nn.Module, batch: Batch, number: int, scale: float
+) -> None:
+    """Count the gradient elements nonzero in fp32 but zero in float16 at ``scale``, the scale
+    the arm's last try at the batch ran at, on ``model``, the arm's model before the batch."""
     model.zero_grad(set_to_none=True)
     work.loss(model, batch, False).backward()
     exact = param_grads(model)
@@ -423,9 +431,11 @@ def run_workload(work: Workload, probe_every: int) -> dict[str, Tally]:
         if number % 2:  # every arm runs before and after each other arm, as often
             order.reverse()
         for trainer in order:
-            if number % probe_every == 0 and trainer.scaler is not None:
-                probe_underflow(work, trainer, batch, number)
-            train_batch(work, trainer, batch, number)
+            probed = number % probe_every == 0 and trainer.scaler is not None
+            before = copy.deepcopy(trainer.model) if probed else None
+            scale = train_batch(work, trainer, batch, number)
+            if before is not None:
+                probe_underflow(work, trainer, before, batch, number, scale)
     for trainer in trainers:
         with torch.no_grad():
             losses = [float(work.held_out_loss(trainer.model, b)) for b in work.held_out]

@@ -20,7 +20,7 @@ Python's floats are::
         m = first_margin while iteration < length, else margin
         if max(history) > 0:  new = 2**clamp(exponent of the largest power of two
                                               <= 65504 / (max(history) * m))
-        elif flushed:         new = min(2 * target, highest)  # nothing seen yet: grow
+        elif flushed:         new = min(2**16 * target, highest)  # nothing seen yet: jump
         else:                 new = target
         if not trouble: scale = f32(scale * f32(new / target))
         target = new
@@ -108,7 +108,7 @@ class HeadroomRef:
                 exponent = math.frexp(room)[1] - 1  # the largest 2**e <= room
                 new = min(max(2.0**exponent, self.lowest), self.highest)
             elif flushed:
-                new = min(self.target * 2.0, self.highest)
+                new = min(self.target * 2.0**16, self.highest)
             if not trouble:
                 self.scale = f32(self.scale * f32(new / self.target))
             self.target = new

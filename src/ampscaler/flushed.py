@@ -28,8 +28,9 @@ def flushed_message(scale: float, count: int) -> str:
     return (
         f"ampscaler: at loss scale {scale:g}, {count} measured iteration(s) had every gradient "
         "flushed to zero in float16.\n"
-        "The optimizer stepped on zeros there. HeadroomPolicy doubles the scale after each "
-        "such iteration until it sees a gradient; if this goes on, the loss is too small for "
+        "Before anything was measured such a step is skipped (it would apply zeros; "
+        "scaler.attempts() runs the batch again) and HeadroomPolicy raises the scale by "
+        "2**16; later ones step on zeros. If this goes on, the loss is too small for "
         "float16 at the scales the run reaches: multiply the loss by a constant (and, for SGD, "
         "divide the learning rate by it), start higher (HeadroomPolicy(first_scale=2.0**16)), "
         "or train in bfloat16."

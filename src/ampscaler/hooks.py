@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .policy.base import Meter
     from .state import LiveState
 
-__all__ = ["MOMENTS", "Check", "Hook", "HookList", "MeterHook"]
+__all__ = ["FLUSH_VETO", "MOMENTS", "Check", "Hook", "HookList", "MeterHook"]
 
 #: The moments of an iteration, in the order they come.
 MOMENTS = (
@@ -310,10 +310,25 @@ class HookList:
             self.add(hook)
 
 
+#: The key of :attr:`Iteration.notes <ampscaler.iteration.Iteration.notes>` under which
+#: :class:`MeterHook` keeps its veto of the iteration's steps (a 0-dim float32 flag, > 0:
+#: vetoed because every measured gradient flushed to zero), on iterations it could veto.
+FLUSH_VETO = "flush_veto"
+
+
 class MeterHook(Hook):
     """A measuring policy's meter (:class:`~ampscaler.policy.Meter`) as a hook: it starts at
     ``scale()``, measures before each check, hands the measurement to the policy before the
     update (agreed across ranks by ``agree``, when given) and moves on after it.
+
+    A meter that has a ``veto(state, agreement)`` method (:class:`~ampscaler.policy.meter.
+    HeadroomMeter`) is also asked after each check whether to skip the step although its
+    gradients are finite: a step whose every measured gradient flushed to zero, taken before
+    the policy measured anything, would apply zero gradients. The flag (agreed across the
+    ranks by the meter) is kept in ``iteration.notes[FLUSH_VETO]``, the step is skipped
+    without backing the scale off, as a guard's veto is, and the policy grows on the
+    measurement; :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` runs the batch
+    again at the grown scale.
 
     Args:
         meter: the policy's meter.
@@ -325,6 +340,29 @@ class MeterHook(Hook):
     def __init__(self, meter: Meter, agreement: Agreement) -> None:
         self.meter = meter
         self._agreement = agreement
+        self._veto: Callable[..., torch.Tensor | None] | None = getattr(meter, "veto", None)
+        self._vetoing = self._may_veto()
+
+    def _may_veto(self) -> bool:
+        """Whether the meter may veto the iteration in progress (once it may not, it never
+        may again: its ``may_veto`` holds for the first iterations only)."""
+        return self._veto is not None and bool(getattr(self.meter, "may_veto", False))
+
+    def moments(self) -> Collection[str]:
+        """Its moments; ``after_check`` only while the meter may veto, so that the iterations
+        after cost nothing there."""
+        due = super().moments()
+        return due if self._vetoing else [m for m in due if m != "after_check"]
+
+    def after_check(self, check: Check) -> torch.Tensor | None:
+        """The meter's veto of this step (class docstring); no host sync."""
+        assert self._veto is not None, "due only with a meter that vetoes"
+        flag = self._veto(check.live.tensors, check.agreement)
+        if flag is not None:
+            notes = check.iteration.notes
+            earlier = notes.get(FLUSH_VETO)
+            notes[FLUSH_VETO] = flag if earlier is None else torch.maximum(earlier, flag)
+        return flag
 
     def at_scale(self, iteration: Iteration) -> None:
         self.meter.start()
@@ -349,6 +387,9 @@ class MeterHook(Hook):
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
         if iteration.by_policy:
             self.meter.advance()
+            if self._vetoing and not self._may_veto():
+                self._vetoing = False
+                self.changed()  # after_check is no longer due
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         self.meter.watch(model, prefix)

@@ -58,7 +58,7 @@ from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
 from .guards import GuardSet
-from .hooks import Check, Hook, HookList, MeterHook
+from .hooks import FLUSH_VETO, Check, Hook, HookList, MeterHook
 from .hostcopy import read_values
 from .iteration import (
     Attempt,
@@ -148,6 +148,26 @@ def _scale_nested(
         return type(value)(items) if isinstance(value, (list, tuple)) else items
 
     return scaled(outputs)
+
+
+#: Whether this build of torch has torch.distributed (it cannot change while running).
+_DISTRIBUTED = torch.distributed.is_available()
+
+
+def _distributed_started() -> bool:
+    """Whether torch.distributed runs a process group in this process (no collective)."""
+    return _DISTRIBUTED and torch.distributed.is_initialized()
+
+
+#: The first try of a batch, by ``max_attempts``: made once (a clean batch's only try).
+_FIRST_TRIES: dict[int, Attempt] = {}
+
+
+def _first_try(limit: int) -> Attempt:
+    first = _FIRST_TRIES.get(limit)
+    if first is None:
+        first = _FIRST_TRIES.setdefault(limit, Attempt(0, limit))
+    return first
 
 
 class OneRank:
@@ -814,7 +834,10 @@ class GradScaler(TorchPrivateNames):
         and otherwise, while the scale is still a guess (the first batch, and after a batch
         that needed more), at scales that bisect in binades down to 1, the last try at 1
         (:func:`~ampscaler.replay.retry_scale`): a warm-up from ``2**16`` to a ceiling of
-        ``2**7`` loses no batch at the default ``max_attempts``.
+        ``2**7`` loses no batch at the default ``max_attempts``. A try whose step a measuring
+        policy's meter vetoed because every measured gradient flushed to zero
+        (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss) runs again
+        within ``max_attempts`` at the scale the policy raised it to; nothing is rewound.
         Accumulation over micro-batches, several optimizers, fused optimizers and a compiled
         step inside the body all work; checkpoints go between batches.
 
@@ -851,41 +874,49 @@ class GradScaler(TorchPrivateNames):
                 and a rank that replays alone leaves the others waiting).
         """
         limit = check_attempts(max_attempts)
-        if self._enabled:
+        # A rank alone among several is refused: asked only where a process group runs.
+        if self._enabled and self._agreement.ranks is None and _distributed_started():
             self._agreement.refuse_alone(
                 "attempts() decides on each rank whether to run a batch again, and a rank that "
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
             )
-        first_backoff: HostState | None = None  # the state the first try's overflow left
+        first_backoff: HostState | None = None  # the state the first overflow left
         search = not self._last_batch_clean  # the run's scale is a guess: search below it
         self._last_batch_clean = False
         failed = 0.0  # the scale of the last try that overflowed
+        first = 0  # the number of the first try that overflowed
         for number in range(limit):
-            if first_backoff is not None and number >= 2 and search:
+            if first_backoff is not None and number >= first + 2 and search:
                 failed = retry_scale(failed, limit - number)
                 self._rewind(first_backoff, failed)
             started = self._iteration
             started.attempt = number  # the try at its batch the iteration in progress is
             try:
-                yield Attempt(number, limit)
+                yield _first_try(limit) if number == 0 else Attempt(number, limit)
             finally:
                 if self._iteration is started:  # the body did not end it: not a try
                     started.attempt = 0
             if not self._enabled:
                 return
-            self._require_one_update(started)
+            if self._finished is not started:
+                self._require_one_update(started)  # raises: not one update() in the body
             last = number + 1 == limit
-            if first_backoff is None:  # the first try
+            if first_backoff is None:  # no overflow yet
                 if last:
-                    return  # max_attempts=1: nothing to decide
-                if not self._overflowed(started):
+                    return  # max_attempts=1, or flushed to the last: nothing to decide
+                # Stepped, known on the host (the common case): nothing to read.
+                clean = started.overflow_known() is False and FLUSH_VETO not in started.notes
+                if not clean and self._flushed(started):  # again, where the policy grew to
+                    self._state.count_replay()
+                    continue
+                if clean or not self._overflowed(started):
                     self._last_batch_clean = True
                     return
                 first_backoff = self._state.snapshot()
-                failed = first_backoff.scale
+                failed, first = first_backoff.scale, number
             else:
                 overflowed = self._overflowed(started)
-                if number == 1 and not overflowed:
+                if number == first + 1 and not overflowed:
                     self._last_batch_clean = True
                     return  # one retry got it through: torch's scaler under a loop by hand
                 if last or not overflowed:
@@ -910,6 +941,19 @@ class GradScaler(TorchPrivateNames):
                 "once per try (after step() for every optimizer), so that each try is one "
                 "iteration the scaler can decide on."
             )
+
+    def _flushed(self, iteration: Iteration) -> bool:
+        """Whether a measuring policy's meter vetoed ``iteration``'s steps because every
+        measured gradient flushed to zero (:class:`~ampscaler.hooks.MeterHook`). Reads its
+        flag only where a step was skipped (a plain step's outcome is known on the host; a
+        fused one's is read)."""
+        flag = iteration.notes.get(FLUSH_VETO)
+        if flag is None:  # not measured, or no meter that vetoes
+            return False
+        records = iteration.records.values()
+        if not any(record.outcome is not None and record.outcome.skipped for record in records):
+            return False
+        return bool(flag.item())
 
     def _overflowed(self, iteration: Iteration) -> bool:
         """Whether ``iteration`` was skipped because its scaled gradients overflowed (and not
@@ -1006,10 +1050,13 @@ class GradScaler(TorchPrivateNames):
         - ``skipped``: 1 if the last iteration (the last ``update()``) skipped a step, else 0;
         - ``skip_cause``: why, as a number: 0 it stepped, 1 its scaled gradients overflowed
           (the scale backed off), 2 a loss was already inf/NaN before scaling, 3 a guard
-          vetoed finite gradients;
+          vetoed finite gradients, 4 a measuring policy's meter vetoed them because every
+          measured gradient flushed to zero before anything was measured (it would have
+          applied zeros; the scale grows, and :meth:`attempts` runs the batch again);
         - ``steps``, ``skips``, ``replays``, ``growths``, ``backoffs``, ``spike_skips``,
           ``consecutive_skips``: the running counts (:attr:`stats`; ``skips`` is
-          ``stats.skipped``);
+          ``stats.skipped``; ``spike_skips`` counts every veto of finite gradients, cause 3
+          and 4);
         - ``flushed_measurements``, with a measuring policy (:class:`~ampscaler.HeadroomPolicy`):
           measured iterations whose every measured gradient was zero in float16 at their scale.
           The first time it reads a count above 0 it warns (a
@@ -1043,13 +1090,16 @@ class GradScaler(TorchPrivateNames):
             scale, stats, cause = self.get_scale(), self._state.stats(), 0
         else:
             counted = getattr(live.tensors, "flushed", None)  # a measuring policy's count
-            extra = [] if counted is None else [counted]
+            veto = finished.notes.get(FLUSH_VETO)  # the meter's veto, where it could veto
+            extra = [t for t in (counted, veto) if t is not None]
             flags = finished.outcome_flags()
             read = read_values([live.scale, live.counters.values, flags, *extra])
             scale, stats = read[0], ScalerStats(*read[1])
             found, spike, loss = read[2]
             cause = (2 if loss > 0 else 1) if found > 0 else (3 if spike > 0 else 0)
-            flushed = int(read[3]) if extra else None
+            if veto is not None and cause == 3 and read[-1] > 0:
+                cause = 4  # every measured gradient flushed to zero
+            flushed = int(read[3]) if counted is not None else None
         values: dict[str, float | int] = {
             "scale": float(scale),
             "skipped": int(cause > 0),

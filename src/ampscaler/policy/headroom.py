@@ -36,12 +36,21 @@ from .base import (
     require_number,
 )
 
-__all__ = ["HEADROOM_EXPONENTS", "HeadroomPolicy", "HeadroomState"]
+__all__ = ["FLUSH_JUMP", "HEADROOM_EXPONENTS", "HeadroomPolicy", "HeadroomState"]
 
 _INFINITY = torch.tensor(math.inf, dtype=torch.float64)
 
 #: range, where ``1/scale`` is exact.
 HEADROOM_EXPONENTS = (-126, 127)
+
+#: How far the target jumps on an iteration whose every measured gradient flushed to zero
+#: before anything was measured. Float16 rounds a value to zero only below ``2**-24``, so at
+#: ``2**16`` times the scale every value it flushed stays below ``2**-8``, 24 binades under
+#: 65504: room for what the measurement cannot see. From the default ``first_scale`` of 1 it
+#: lands where torch's scaler starts. (Doubling, as a reactive rule grows, took four tries on
+#: ``benchmarks/scaling.py``'s ``tiny-loss``, loss times ``2**-24``, and its first step, at 8,
+#: still flushed 99.8% of the gradients.)
+FLUSH_JUMP = 2.0**16
 
 
 class HeadroomState(NamedTuple):
@@ -128,8 +137,11 @@ class HeadroomPolicy(Policy):
 
     Three more things are measurements. An iteration whose every measured gradient was zero
     (flushed in float16) before anything else was measured says the scale is too low to see
-    anything: the target doubles, as a reactive rule grows, once per such iteration (and the
-    iteration is counted in ``flushed``). An overflow at scale ``S`` says the largest gradient
+    anything: the target jumps by :data:`FLUSH_JUMP` (``2**16``: every flushed value was below
+    ``2**-24``, so it stays below ``2**-8``), once per such iteration (and the iteration is
+    counted in ``flushed``). The scaler's meter vetoes such an iteration's step (it would
+    apply zero gradients), and :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>`
+    runs the batch again at the new scale. An overflow at scale ``S`` says the largest gradient
     exceeded ``65504 / S``; a single one may be a one-off (the scale recovers to the target,
     as before), but an overflow at or above the scale of the last one enters the history as
     that bound, so the target stays below ``S`` for as long as a measurement would hold it: heavy
@@ -157,7 +169,7 @@ class HeadroomPolicy(Policy):
             if max(history) > 0:
                 new = the largest 2**e <= 65504 / (max(history) * m),
                       within [min_scale, max_scale]
-            elif flushed:  new = min(2 * target, max_scale)   # nothing seen yet: grow
+            elif flushed:  new = min(2**16 * target, max_scale)   # nothing seen yet: jump
             else:          new = target
             if not trouble:  scale = scale * new / target       # keep the distance below it
             target = new
@@ -494,8 +506,9 @@ class HeadroomPolicy(Policy):
         # 2**(e - 1) = room / (2 m) exactly: the quotient is representable, so division is exact.
         allowed = (room / (mantissa * 2.0)).clamp(2.0**low, 2.0**high).float()
         # Nothing measured before, and every gradient zero now: the scale is too low to see
-        # anything; it doubles, as a reactive rule grows (once per measured iteration).
-        grown = torch.where(flushed, torch.clamp(live.target * 2.0, max=2.0**high), live.target)
+        # anything; it jumps by FLUSH_JUMP (once per measured iteration).
+        jumped = torch.clamp(live.target * FLUSH_JUMP, max=2.0**high)
+        grown = torch.where(flushed, jumped, live.target)
         target = torch.where(peak > 0.0, allowed, grown)
         # A ratio of powers of two: exact (1 on an overflow, which backs off below).
         ratio = torch.where(over, live.target, target) / live.target

@@ -51,14 +51,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..distributed import refuse_alone
 from ..grads.collect import grad_views
 from ..taps import GradTaps, WatchedModels, leaf_modules
-from .headroom import HeadroomPolicy
+from .base import PolicyState
+from .headroom import HeadroomPolicy, HeadroomState
+
+if TYPE_CHECKING:
+    from ..distributed import RankAgreement
 
 __all__ = ["NOT_MEASURED", "HeadroomMeter"]
 
@@ -96,6 +100,8 @@ class HeadroomMeter:
         # taken once, at take()).
         self._seen: dict[torch.dtype, list[torch.Tensor]] = {}
         self._half_modules: set[str] = set()  # modules whose output gradient was float16
+        # The last peek(): how many extremes it reduced, and the result.
+        self._peeked: tuple[int, torch.Tensor] | None = None
 
     @property
     def policy(self) -> HeadroomPolicy:
@@ -136,7 +142,7 @@ class HeadroomMeter:
     def start(self) -> None:
         """The iteration's first scaled loss: what was tapped before it is dropped."""
         if not self._started and self.due:
-            self._seen, self._half_modules = {}, set()
+            self._seen, self._half_modules, self._peeked = {}, set(), None
             self._started = True
 
     def _tap(self, name: str, where: str, grad: torch.Tensor) -> None:
@@ -185,13 +191,62 @@ class HeadroomMeter:
                 "differently would be averaged)."
             )
             self._agreed = True  # checked once: the world does not change size
-        seen = self._seen
+        measured = self.peek(device)
         self._reset()
+        return measured
+
+    def peek(self, device: torch.device) -> torch.Tensor:
+        """What :meth:`take` would return now, on a measured iteration, without forgetting it:
+        the largest magnitude seen so far in the iteration (its taps, and the optimizers
+        measured so far). A few device ops; no host sync."""
+        seen = self._seen
         if not seen:
             return torch.full((), NOT_MEASURED, dtype=torch.float32, device=device)
+        count = sum(len(values) for values in seen.values())
+        if self._peeked is not None and self._peeked[0] == count:
+            return self._peeked[1]  # nothing seen since: the veto's reduction serves take()
         stacks = [torch.stack([v.to(device) for v in values]).float() for values in seen.values()]
         extremes = stacks[0] if len(stacks) == 1 else torch.cat(stacks)
-        return torch.nan_to_num(extremes.abs().max(), nan=float("inf"))
+        largest = torch.nan_to_num(extremes.abs().max(), nan=float("inf"))
+        self._peeked = (count, largest)
+        return largest
+
+    @property
+    def may_veto(self) -> bool:
+        """Whether :meth:`veto` may skip the iteration in progress: while the history is young
+        (its first ``history_length`` iterations, every one measured). After that a veto could
+        not help: each flushed iteration before a measurement raises the target by ``2**16``,
+        so sixteen of them reach the top of the range, where nothing is vetoed."""
+        return self._iteration < self._policy.history_length
+
+    def veto(self, state: PolicyState, agreement: RankAgreement | None) -> torch.Tensor | None:
+        """Whether to skip the step just checked although its gradients are finite: a 0-dim
+        float32 flag, 1.0 when every gradient measured so far in the iteration is zero (float16
+        flushed them at the scale in force), the policy has measured nothing yet (nothing
+        stored in its history) and its target can still grow; ``None`` where it may not veto
+        (:attr:`may_veto`). Such a step would apply zero gradients; the policy jumps on the
+        measurement (:data:`~ampscaler.policy.headroom.FLUSH_JUMP`). With an ``agreement`` the
+        measurement is max-reduced over its ranks first (one all_reduce of one value), so
+        every rank decides alike. A few device ops; no host sync.
+
+        Example:
+            >>> policy = HeadroomPolicy()
+            >>> state = policy.initial_state(1.0, torch.device("cpu"))
+            >>> meter = HeadroomMeter(policy)
+            >>> meter.start()
+            >>> meter._note(torch.zeros(3, dtype=torch.float16))   # everything flushed
+            >>> meter.veto(state, None)
+            tensor(1.)
+        """
+        if not self.may_veto:
+            return None
+        assert isinstance(state, HeadroomState), "the meter of a HeadroomPolicy"
+        seen = self.peek(state.scale.device)
+        if agreement is not None:
+            seen = agreement.max_over_ranks(seen)
+        can_grow = state.target < 2.0 ** self._policy.exponents[1]
+        nothing_yet = state.measured == 0  # nothing stored: the history is empty
+        return ((seen == 0.0) & nothing_yet & can_grow).float()
 
     def advance(self) -> None:
         """The policy moved on by one iteration: arm the hooks for the next."""
