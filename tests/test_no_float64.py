@@ -102,3 +102,25 @@ def test_records_hysteresis_and_a_group_of_one_need_no_float64(
     assert scales == reference[0]
     assert all(torch.equal(a, b) for a, b in zip(params, reference[1], strict=True))
     assert saved["stats"] == reference[2]["stats"] and saved["stats"]["skipped"] >= len(POISONED)
+
+
+def test_a_probed_run_needs_no_float64() -> None:
+    """The probe's results travel to the host in their own dtypes (int64 counts, a float32
+    maximum), read in the step record's one host sync."""
+
+    def make() -> ampscaler.GradScaler:
+        scaler = ampscaler.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+        scaler.attach(ampscaler.GradientProbe(every=2))
+        scaler.attach(ampscaler.StepHistory(20))
+        return scaler
+
+    scales, _, _ = _train(make, 6, False, inside=True)
+    assert (
+        scales
+        == _train(
+            lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3),
+            6,
+            False,
+            False,
+        )[0]
+    )

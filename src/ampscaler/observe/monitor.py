@@ -221,7 +221,7 @@ class Monitor(Hook):
         outcome = [found_inf, spike.to(found_inf.dtype), old_scale, new_scale]
         tensors = [torch.stack([t.to(old_scale.device) for t in outcome]), counters.steps]
         if pending is not None:
-            tensors.append(pending.values.to(old_scale.device))
+            tensors += [t.to(old_scale.device) for t in pending.values]
         read = read_values(tensors)  # the one host sync
         found, spike_flag, old, new = read[0]
         step = int(read[1]) - 1
@@ -233,7 +233,7 @@ class Monitor(Hook):
             skipped=skipped,
             time=time.time(),
             overflow=self._resolve(iteration, step) if skipped else None,
-            probe=None if pending is None else pending.finish(read[2], old),
+            probe=None if pending is None else pending.finish(read[2:], old),
             spike=not skipped and spike_flag > 0,
             attempt=iteration.attempt,
         )

@@ -76,10 +76,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InvalidConfigError
 from ..grads.collect import grad_views
 from ..hooks import Hook
-from ..policy.base import FP16_MAX
+from ..hostcopy import read_values
+from ..policy.base import FP16_MAX, require_int
 from ..taps import GradTaps, WatchedModels
 from .plain import Plain
 
@@ -254,30 +254,28 @@ class PendingProbe:
 
     Attributes:
         elements: optimizer gradient elements measured (0: none, only modules).
-        values: a 1-D float64 tensor: with ``elements``, the zero count, the counts at or below
-            the flush threshold at the scale and at scale 1, and the largest magnitude; then
-            three counts per module of ``modules`` (:class:`UnderflowCounts`' fields).
+        values: three tensors on one device: the int64 counts of the zeros and of the elements
+            at or below the flush threshold at the scale and at scale 1; the float32 largest
+            magnitude; the int64 counts of ``modules``, three each (:class:`UnderflowCounts`'
+            fields).
         modules: the modules measured, in the order they were first tapped.
         keep: how many of the worst modules the result keeps (``None``: all).
         dtypes: the dtypes the modules' gradients were held in, sorted.
     """
 
     elements: int
-    values: torch.Tensor
+    values: list[torch.Tensor]
     modules: list[str]
     keep: int | None
     dtypes: tuple[str, ...] = ()
 
-    def finish(self, values: Sequence[float], scale: float) -> ProbeResult:
-        """The result from :attr:`values` read back from the device, for gradients at ``scale``."""
-        if self.elements:
-            zeros, flush_at_scale, flush_at_one, largest, *per_module = values
-        else:
-            zeros = flush_at_scale = flush_at_one = largest = 0.0
-            per_module = list(values)
-        nonzero = self.elements - int(zeros)
+    def finish(self, values: Sequence[Any], scale: float) -> ProbeResult:
+        """The result from :attr:`values` as :func:`~ampscaler.hostcopy.read_values` reads
+        them back from the device, for gradients at ``scale``."""
+        (zeros, flush_at_scale, flush_at_one), largest, per_module = values
+        nonzero = self.elements - zeros
         counts = {
-            name: UnderflowCounts(*(int(v) for v in per_module[3 * i : 3 * i + 3]))
+            name: UnderflowCounts(*per_module[3 * i : 3 * i + 3])
             for i, name in enumerate(self.modules)
         }
         worst = sorted(counts.items(), key=lambda item: item[1].fraction, reverse=True)
@@ -296,16 +294,8 @@ class PendingProbe:
         )
 
     def read(self, scale: float) -> ProbeResult:
-        """Read :attr:`values` (a host sync) and :meth:`finish`."""
-        return self.finish(self.values.tolist(), scale)
-
-
-def _check_count(name: str, value: object, *, optional: bool) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        none = " or None" if optional else ""
-        raise InvalidConfigError(f"GradientProbe {name} must be an int >= 1{none}, got {value!r}.")
+        """Read :attr:`values` (one host sync) and :meth:`finish`."""
+        return self.finish(read_values(self.values), scale)
 
 
 @dataclass(eq=False)
@@ -329,8 +319,9 @@ class GradientProbe(Hook):
     unique = True  # a step record holds one probe's results
 
     def __post_init__(self) -> None:
-        _check_count("every", self.every, optional=False)
-        _check_count("worst_modules", self.worst_modules, optional=True)
+        self.every = require_int("GradientProbe every", self.every, 1)
+        if self.worst_modules is not None:
+            self.worst_modules = require_int("GradientProbe worst_modules", self.worst_modules, 1)
         self._taps = GradTaps(self._tap)
         self._models = WatchedModels()
         self._iteration = 0
@@ -445,18 +436,18 @@ class GradientProbe(Hook):
     def _take(self) -> PendingProbe | None:
         if not self._elements and not self._modules:
             return None
-        parts: list[torch.Tensor] = []
+        modules = list(self._modules.values())
+        device = (self._counts or modules)[0].device
         if self._elements:
-            device = self._counts[0].device
             counts = torch.stack([c.to(device) for c in self._counts]).sum(dim=0)
             largest = torch.stack([m.to(device) for m in self._maxima]).max()
-            parts += [counts.double(), largest.double().reshape(1)]
         else:
-            device = next(iter(self._modules.values())).device
-        parts += [c.to(device, torch.float64) for c in self._modules.values()]
+            counts = torch.zeros(3, dtype=torch.int64, device=device)
+            largest = torch.zeros((), device=device)
+        per_module = torch.cat([c.to(device) for c in modules]) if modules else counts[:0]
         pending = PendingProbe(
             self._elements,
-            torch.cat(parts),
+            [counts, largest, per_module],
             list(self._modules),
             self.worst_modules,
             tuple(sorted(str(dtype).removeprefix("torch.") for dtype in self._dtypes)),
