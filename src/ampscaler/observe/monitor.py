@@ -14,8 +14,14 @@ losses, the outcome) and never changes the step. It
   included, or an event callback), reads the iteration's outcome from the device in one host
   sync, with the results an attached :class:`~ampscaler.GradientProbe` left in the notes, and
   hands a :class:`~ampscaler.StepRecord` to the sinks, in the order they were added, then to
-  the callbacks; one that raises is reported once and starves none of the others
-  (:mod:`~ampscaler.observe.delivery`).
+  the callbacks.
+
+A sink whose disk is full, or a callback with a bug, raises from inside ``update()``. Were the
+error to propagate, every sink and callback after it would get nothing, and training would stop
+for the sake of its telemetry: so each consumer is called in turn, and when one raises, the
+monitor warns once for that consumer (a :class:`~ampscaler.SinkWarning` that names it and the
+error), serves the rest, and keeps calling it at the next steps (a disk that frees up resumes
+the log). ``KeyboardInterrupt`` and other non-``Exception`` errors propagate.
 
 The probe and the tracer are hooks of their own (:mod:`ampscaler.hooks`); they meet the monitor
 only in the iteration's notes. With no sink and no callback, ``update()`` runs nothing here.
@@ -35,12 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, SinkWarning, warn_at_caller
 from ..hooks import Hook
 from ..hostcopy import read_values
 from . import localize
 from .collapse import CollapseAlert, CollapseWatch, snapshot_of
-from .delivery import Delivery
 from .localize import TRACE_NOTE, NonFiniteTracer, OverflowReport, ParamNames, merge_reports
 from .probe import PROBE_NOTE, PendingProbe
 from .records import StepRecord
@@ -100,7 +105,8 @@ class Monitor(Hook):
         self.names = ParamNames()
         self._sinks: list[Sink] = []
         self._callbacks: dict[str, list[Callable[[Any], Any]]] = {event: [] for event in EVENTS}
-        self._delivery = Delivery()  # a failing sink or callback starves no other
+        # The consumers whose failure was reported (held, so that an id is never reused).
+        self._failed: list[object] = []
         self.collapse = CollapseWatch()
         self.collapse.callbacks = self._callbacks["collapse"]
 
@@ -205,10 +211,9 @@ class Monitor(Hook):
         """The collapse watch looks at the counters when it has work."""
         collapse = self.collapse
         if collapse.due(updates):
-            new_scale = live.scale
-            counters = live.counters
             collapse.look(
-                lambda: snapshot_of(counters, new_scale), lambda: iteration.loss_origin().cause
+                lambda: snapshot_of(live.counters, live.scale),
+                lambda: iteration.loss_origin().cause,
             )
         return collapse.next_due()
 
@@ -237,19 +242,31 @@ class Monitor(Hook):
             spike=not skipped and spike_flag > 0,
             attempt=iteration.attempt,
         )
-        delivery = self._delivery
         for sink in self._sinks:
-            delivery.hand(sink.write, record, sink)
-        fired = [
-            ("step", True),
-            ("overflow", record.skipped),
-            ("backoff", record.backed_off),
-            ("growth", record.grew),
-        ]
-        for event, happened in fired:
-            if happened:
-                for fn in list(self._callbacks[event]):
-                    delivery.hand(fn, record)
+            self._hand(sink.write, record, sink)
+        happened = (True, record.skipped, record.backed_off, record.grew)  # RECORD_EVENTS'
+        for event, due in zip(RECORD_EVENTS, happened, strict=True):
+            for fn in list(self._callbacks[event]) if due else ():
+                self._hand(fn, record, fn)
+
+    def _hand(
+        self, consumer: Callable[[StepRecord], object], record: StepRecord, owner: object
+    ) -> None:
+        """Call ``consumer(record)``; if it raises, warn once for ``owner`` (the sink whose
+        method ``consumer`` is, or the callback) and return (module docstring)."""
+        try:
+            consumer(record)
+        except Exception as error:
+            if any(seen is owner for seen in self._failed):
+                return
+            self._failed.append(owner)
+            warn_at_caller(
+                f"{owner!r} raised {type(error).__name__}: {error} at step {record.step}. The "
+                "other sinks and callbacks were served, and it will still be called at the next "
+                "steps; this is reported once. Fix it, or detach it (scaler.detach(sink), or the "
+                "function scaler.on() returned).",
+                SinkWarning,
+            )
 
     # ------------------------------------------------------------------ overflow reports
 
