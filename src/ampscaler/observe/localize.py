@@ -215,7 +215,7 @@ def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> list[str]:
     One batched L1 norm per device and dtype screens them all (it is NaN exactly when the
     tensor holds a NaN, and inf when it holds an inf, or, for a finite tensor, when the sum
     overflows float32); only the tensors that fail the screen are then checked for inf. Host
-    syncs: one per device and dtype, plus one per device with failing tensors.
+    syncs: one per device and dtype, plus one per device and dtype with failing tensors.
 
     Example:
         >>> nonfinite_kinds([torch.ones(2), torch.tensor([1.0, float("-inf"), float("nan")])])
@@ -224,21 +224,16 @@ def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> list[str]:
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for index, tensor in enumerate(tensors):
         by_kind[(tensor.device, tensor.dtype)].append(index)
-    has_nan: dict[int, bool] = {}
+    kinds = [""] * len(tensors)
     for (_, dtype), indices in by_kind.items():
         wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
         norms = torch._foreach_norm([tensors[i] for i in indices], 1, dtype=wide)
-        for index, norm in zip(indices, torch.stack(norms).tolist(), strict=True):
-            if not math.isfinite(norm):
-                has_nan[index] = math.isnan(norm)
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for index in has_nan:
-        by_device[tensors[index].device].append(index)
-    kinds = [""] * len(tensors)
-    for indices in by_device.values():
-        has_inf = torch.stack([torch.isinf(tensors[i]).any() for i in indices]).tolist()
-        for index, inf in zip(indices, has_inf, strict=True):
-            kinds[index] = "+".join(k for k, has in (("inf", inf), ("nan", has_nan[index])) if has)
+        norm_of = zip(indices, torch.stack(norms).tolist(), strict=True)
+        failing = [(i, math.isnan(norm)) for i, norm in norm_of if not math.isfinite(norm)]
+        if failing:
+            has_inf = torch.stack([torch.isinf(tensors[i]).any() for i, _ in failing]).tolist()
+            for (index, nan), inf in zip(failing, has_inf, strict=True):
+                kinds[index] = "+".join(k for k, has in (("inf", inf), ("nan", nan)) if has)
     return kinds
 
 
@@ -254,17 +249,13 @@ def locate_overflow(
 
     Host syncs: see :func:`nonfinite_kinds`.
     """
-    labels: list[str] = []
-    values: list[torch.Tensor] = []
     with torch.no_grad():
-        for group_index, param_index, param, grad in grad_views(optimizers):
-            labels.append(names.name(param, group_index, param_index))
-            values.append(grad)
-        kinds = nonfinite_kinds(values)
+        views = list(grad_views(optimizers))
+        kinds = nonfinite_kinds([grad for *_, grad in views])
     found: dict[str, str] = {}
-    for label, kind in zip(labels, kinds, strict=True):
+    for (group_index, param_index, param, _), kind in zip(views, kinds, strict=True):
         if kind:
-            found.setdefault(label, kind)
+            found.setdefault(names.name(param, group_index, param_index), kind)
     return OverflowReport(
         step=step,
         names=list(found),
@@ -366,8 +357,7 @@ class NonFiniteTracer(Hook):
         """
         if not events:
             return None
-        devices = {flag.device for _, _, flag in events}
-        target = next(iter(devices))
+        target = events[0][2].device
         finite = torch.stack([flag.to(target) for _, _, flag in events]).tolist()
         received = [
             (name, ok) for (name, where, _), ok in zip(events, finite, strict=True)
