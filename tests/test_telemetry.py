@@ -203,6 +203,18 @@ def test_copies_keep_the_history_but_not_sinks_or_callbacks(tmp_path: Path) -> N
     assert len(path.read_text().splitlines()) == 4 and called == [0, 1, 2, 3]
 
 
+def test_counts_and_rates_take_numpy_and_tensor_numbers_as_torch_does() -> None:
+    """Observers read their int options as torch reads numbers: numpy scalars and one-element
+    tensors included."""
+    import numpy as np
+
+    assert ampscaler.StepHistory(np.int64(3)).maxlen == 3
+    probe = ampscaler.GradientProbe(every=np.int64(2), worst_modules=torch.tensor(4))
+    assert (probe.every, probe.worst_modules) == (2, 4) and type(probe.every) is int
+    sink = ampscaler.LoggingSink(every=np.int32(5), warn_rate=np.float32(0.5))
+    assert (sink.every, sink.warn_rate) == (5, 0.5)
+
+
 def test_bad_options_and_calls_are_clear_errors() -> None:
     with pytest.raises(InvalidConfigError, match="maxlen"):
         ampscaler.StepHistory(-1)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import InvalidConfigError, SinkError
-from ..policy.base import pow2_exponent
+from ..policy.base import pow2_exponent, require_int, require_number
 from .localize import process_rank
 from .records import StepRecord
 
@@ -70,12 +70,8 @@ class StepHistory:
     """
 
     def __init__(self, maxlen: int) -> None:
-        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or not 1 <= maxlen <= _LONGEST:
-            raise InvalidConfigError(
-                f"StepHistory maxlen must be an int from 1 to {_LONGEST}, got {maxlen!r}."
-            )
-        self._maxlen = maxlen
-        self._records: deque[StepRecord] = deque(maxlen=maxlen)
+        self._maxlen = require_int("StepHistory maxlen", maxlen, 1, _LONGEST)
+        self._records: deque[StepRecord] = deque(maxlen=self._maxlen)
 
     @property
     def maxlen(self) -> int:
@@ -294,17 +290,11 @@ class LoggingSink:
         all_ranks: bool = False,
         warn_rate: float = 0.05,
     ) -> None:
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise InvalidConfigError(
-                f"every must be an int >= 1 (steps per summary line) or None, got {every!r}."
-            )
-        if not (isinstance(warn_rate, (int, float)) and 0 < warn_rate <= 1):
+        if not 0 < require_number("warn_rate", warn_rate) <= 1:
             raise InvalidConfigError(f"warn_rate must be in (0, 1], got {warn_rate!r}.")
         self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
         self.level = level
-        self.every = every
+        self.every = None if every is None else require_int("every", every, 1)
         self.all_ranks = all_ranks
         self.warn_rate = float(warn_rate)
         self._period: list[StepRecord] = []
