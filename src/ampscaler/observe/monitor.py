@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,25 +70,9 @@ Callback = RecordCallback | CollapseCallback
 """What :meth:`Monitor.on` calls: with each matching record, or with a collapse alert."""
 
 
-#: Where the monitor keeps what it derived from an iteration, in ``Iteration.notes``.
-_NOTE = "monitor"
-
-
-@dataclass
-class _Observed:
-    """What the observers derived from one iteration (kept in the iteration's notes)."""
-
-    reports: list[OverflowReport] = field(default_factory=list)
-    localized: set[int] = field(default_factory=set)  # ids of the optimizers in reports
-    resolved: bool = False
-    report: OverflowReport | None = None
-
-
-def _observed(iteration: Iteration) -> _Observed:
-    found: _Observed | None = iteration.notes.get(_NOTE)
-    if found is None:
-        found = iteration.notes[_NOTE] = _Observed()
-    return found
+#: Where the monitor keeps, in ``Iteration.notes``, the reports of the skips localized at the
+#: step (by the optimizer's id, in stepping order) and, once resolved, the iteration's report.
+_SKIPS, _REPORT = "monitor.skips", "monitor.report"
 
 
 class Monitor(Hook):
@@ -197,9 +180,7 @@ class Monitor(Hook):
         scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
         origin = iteration.loss_origin() if record.origin is None else record.origin
         report = self._localize([record.optimizer], step, scale, origin)
-        observed = _observed(iteration)
-        observed.reports.append(report)
-        observed.localized.add(id(record.optimizer))
+        iteration.notes.setdefault(_SKIPS, {})[id(record.optimizer)] = report
         self.collapse.tally.add(report)
         self.collapse.note_skip(report, lambda: int(counters.consecutive_skips.item()))
 
@@ -286,14 +267,15 @@ class Monitor(Hook):
         """The iteration's overflow report: the skips localized at the step, and the fused
         optimizers' flags read and localized now (once); its origin judged from the tracer's
         events, if one left them."""
-        observed = _observed(iteration)
-        if observed.resolved:
-            return observed.report
-        reports = list(observed.reports)
+        notes = iteration.notes
+        if _REPORT in notes:
+            return notes[_REPORT]  # type: ignore[no-any-return]
+        localized = notes.get(_SKIPS, {})
+        reports = list(localized.values())
         overflowed = [  # the fused optimizers' (their flags stayed on the device)
             record.optimizer
             for key, record in iteration.records.items()
-            if key not in observed.localized
+            if key not in localized
             and record.outcome is not None
             and record.outcome.reason == "nonfinite"
         ]
@@ -302,13 +284,12 @@ class Monitor(Hook):
             report = self._localize(overflowed, step, scale, iteration.loss_origin())
             reports.append(report)
             self.collapse.tally.add(report)
-        events = iteration.notes.get(TRACE_NOTE)
+        events = notes.get(TRACE_NOTE)
         if reports and events is not None:
             origin = NonFiniteTracer.origin(events)
             reports[0] = dataclasses.replace(reports[0], origin=origin)
-        observed.report = merge_reports(reports) if reports else None
-        observed.resolved = True
-        return observed.report
+        merged = notes[_REPORT] = merge_reports(reports) if reports else None
+        return merged
 
     def last_overflow(
         self, iteration: Iteration | None, in_progress: bool, counters: StepCounters | None
