@@ -64,9 +64,10 @@ from ..policy.base import LOWEST_SCALE
 from .localize import OverflowReport
 
 if TYPE_CHECKING:
-    from ..state import StepCounters
+    from ..iteration import Iteration
+    from ..state import LiveState
 
-__all__ = ["CollapseAlert", "CollapseWatch", "OverflowTally", "snapshot_of"]
+__all__ = ["CollapseAlert", "CollapseWatch", "OverflowTally"]
 
 logger = logging.getLogger("ampscaler")
 
@@ -248,26 +249,27 @@ class CollapseWatch:
         """Whether it watches anything."""
         return self.scale_drop is not None or self.skip_rate is not None
 
-    def due(self, updates: int = 1) -> bool:
-        """Count ``updates`` more updates; whether :meth:`look` has work now (a window ended;
-        during a collapse, every update until the scale is at its floor; or a copy is on its
-        way). Cheap."""
+    def periodic(self, iteration: Iteration, live: LiveState, updates: int) -> int:
+        """Count ``updates`` more updates and look when there is work: a window ended; during a
+        collapse, every update until the scale is at its floor; or a copy is on its way.
+
+        Looking starts copying the counters and the scale to the host; once a copy has landed
+        (never waits), it judges the window that ended before it and checks the floor (asking
+        ``iteration`` its cause only on reaching it: that may read the device). Returns how
+        many updates from now it is due next: one while a copy is on its way or a collapse is
+        on, else the rest of the window (the monitor's :meth:`~ampscaler.hooks.Hook.periodic`).
+        """
         before = self._updates
         updates = self._updates = before + updates
         if updates // self.window > before // self.window:
             self._window_ended = updates - updates % self.window
-        elif self._window_ended is None and not self._collapsing and self._pending is None:
-            return False  # the common case: within a window, no collapse, no copy on its way
-        return self._pending is not None or (
+        if self._pending is not None or (
             self.active and (self._window_ended is not None or self._nearing_floor)
-        )
-
-    def next_due(self) -> int:
-        """How many updates from now :meth:`due` may next have work: one while a copy is on
-        its way or a collapse is on, else the rest of the window."""
+        ):
+            self._look(live, lambda: iteration.loss_origin().cause)
         if self._pending is not None or self._collapsing:
             return 1
-        return self.window - self._updates % self.window
+        return self.window - updates % self.window
 
     @property
     def _nearing_floor(self) -> bool:
@@ -275,17 +277,14 @@ class CollapseWatch:
         ``2**-64`` and the floor has not been seen yet."""
         return self._collapsing and not self._at_floor and self._last_scale < NEAR_FLOOR
 
-    def look(
-        self,
-        snapshot: Callable[[], torch.Tensor],
-        latest_cause: Callable[[], str | None] = lambda: None,
-    ) -> None:
-        """Start copying ``snapshot()`` (:func:`snapshot_of`) to the host; once a copy has
-        landed (never waits), judge the window that ended before it and check the floor
-        (``latest_cause()``, the latest iteration's cause, is asked only on reaching it: it may
-        read the device)."""
+    def _look(self, live: LiveState, latest_cause: Callable[[], str | None]) -> None:
         if self._pending is None:
-            self._pending = HostCopy(snapshot(), self._updates)
+            # The steps, skipped and consecutive_skips counters and the float32 scale's bits,
+            # as one int64 tensor (exact, and no float64 on the device).
+            values = live.counters.values
+            bits = live.scale.reshape(1).view(torch.int32).to(torch.int64)
+            snapshot = torch.cat([values[:2], values[4:5], bits])
+            self._pending = HostCopy(snapshot, self._updates)
         pending = self._pending
         if pending.landed():
             self._pending = None
@@ -386,12 +385,3 @@ class CollapseWatch:
 
 def _number(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def snapshot_of(counters: StepCounters, scale: torch.Tensor) -> torch.Tensor:
-    """What :meth:`CollapseWatch.look` copies: the steps, skipped and consecutive_skips
-    counters and the float32 scale's bits, as one int64 tensor (exact, and no float64 on the
-    device). No host sync."""
-    values = counters.values
-    bits = scale.reshape(1).view(torch.int32).to(torch.int64)
-    return torch.cat([values[:2], values[4:5], bits])

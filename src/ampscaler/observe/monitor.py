@@ -44,7 +44,7 @@ from ..errors import InvalidConfigError, SinkWarning, warn_at_caller
 from ..hooks import Hook
 from ..hostcopy import read_values
 from . import localize
-from .collapse import CollapseAlert, CollapseWatch, snapshot_of
+from .collapse import CollapseAlert, CollapseWatch
 from .localize import TRACE_NOTE, NonFiniteTracer, OverflowReport, ParamNames, merge_reports
 from .probe import PROBE_NOTE, PendingProbe
 from .records import StepRecord
@@ -190,13 +190,7 @@ class Monitor(Hook):
 
     def periodic(self, iteration: Iteration, live: LiveState, updates: int) -> int:
         """The collapse watch looks at the counters when it has work."""
-        collapse = self.collapse
-        if collapse.due(updates):
-            collapse.look(
-                lambda: snapshot_of(live.counters, live.scale),
-                lambda: iteration.loss_origin().cause,
-            )
-        return collapse.next_due()
+        return self.collapse.periodic(iteration, live, updates)
 
     def _emit(
         self, iteration: Iteration, counters: StepCounters, pending: PendingProbe | None
