@@ -60,7 +60,7 @@ import torch
 from ..arguments import check_switch
 from ..errors import InvalidConfigError, ScaleFloorWarning, warn_at_caller
 from ..hostcopy import HostCopy
-from ..policy.base import LOWEST_SCALE
+from ..policy.base import LOWEST_SCALE, require_int, require_number
 from .localize import OverflowReport
 
 if TYPE_CHECKING:
@@ -217,17 +217,16 @@ class CollapseWatch:
     log: bool = True
 
     def __post_init__(self) -> None:
-        scale_drop, skip_rate, window = self.scale_drop, self.skip_rate, self.window
-        if scale_drop is not None and not (_number(scale_drop) and 0 < scale_drop < 1):
+        scale_drop, skip_rate = self.scale_drop, self.skip_rate
+        if scale_drop is not None and not 0 < require_number("scale_drop", scale_drop) < 1:
             raise InvalidConfigError(
                 f"scale_drop must be a number in (0, 1) or None, got {scale_drop!r}."
             )
-        if skip_rate is not None and not (_number(skip_rate) and 0 < skip_rate <= 1):
+        if skip_rate is not None and not 0 < require_number("skip_rate", skip_rate) <= 1:
             raise InvalidConfigError(
                 f"skip_rate must be a number in (0, 1] or None, got {skip_rate!r}."
             )
-        if isinstance(window, bool) or not isinstance(window, int) or window < 10:
-            raise InvalidConfigError(f"window must be an int >= 10, got {window!r}.")
+        self.window = require_int("window", self.window, 10)
         check_switch("log", self.log)
         self._updates = 0
         self._pending: HostCopy | None = None
@@ -381,7 +380,3 @@ class CollapseWatch:
     def fresh(self) -> CollapseWatch:
         """A watch with the same settings that has seen nothing (for a copied scaler)."""
         return dataclasses.replace(self)
-
-
-def _number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
