@@ -131,11 +131,6 @@ class GradTaps:
         self._params = params
         self._handles: list[RemovableHandle] = []
 
-    @property
-    def attached(self) -> bool:
-        """Whether any hook is registered."""
-        return bool(self._handles)
-
     def attach(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Register the hooks on every leaf module of ``model`` (names prefixed by ``prefix``)."""
         for name, module in leaf_modules(model, prefix):
@@ -156,10 +151,10 @@ class GradTaps:
     def arm(self, due: bool, models: WatchedModels) -> None:
         """Hooks on ``models`` when ``due`` (registered if missing), none otherwise: what an
         observer that measures some iterations does at the end of each."""
-        if due and not self.attached:
+        if due and not self._handles:
             for model, prefix in models:
                 self.attach(model, prefix)
-        elif self.attached and not due:
+        elif self._handles and not due:
             self.detach()
 
     def _forward(

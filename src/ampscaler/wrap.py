@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,12 +86,11 @@ def _map_tensors(value: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> 
         if isinstance(value, tuple) and hasattr(value, "_fields"):
             return type(value)(*items)
         return type(value)(items)
-    if isinstance(value, Mapping):
-        if type(value) is dict:
-            return {key: _map_tensors(item, change) for key, item in value.items()}
-        if isinstance(value, dict):
-            for key, item in list(value.items()):
-                value[key] = _map_tensors(item, change)
+    if type(value) is dict:
+        return {key: _map_tensors(item, change) for key, item in value.items()}
+    if isinstance(value, dict):
+        for key, item in list(value.items()):
+            value[key] = _map_tensors(item, change)
     return value
 
 
