@@ -213,6 +213,8 @@ def test_counts_and_rates_take_numpy_and_tensor_numbers_as_torch_does() -> None:
     assert (probe.every, probe.worst_modules) == (2, 4) and type(probe.every) is int
     sink = ampscaler.LoggingSink(every=np.int32(5), warn_rate=np.float32(0.5))
     assert (sink.every, sink.warn_rate) == (5, 0.5)
+    watch = ampscaler.CollapseWatch(scale_drop=np.float32(0.25), window=np.int64(20))
+    assert watch.window == 20 and type(watch.window) is int
 
 
 def test_bad_options_and_calls_are_clear_errors() -> None:
