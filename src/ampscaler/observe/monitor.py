@@ -177,11 +177,9 @@ class Monitor(Hook):
         them (host syncs, on skipped steps only); at the scale's floor, warn now."""
         counters = live.counters
         step = int(counters.steps.item())
-        scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
         origin = iteration.loss_origin() if record.origin is None else record.origin
-        report = self._localize([record.optimizer], step, scale, origin)
+        report = self._localize([record.optimizer], step, iteration, origin)
         iteration.notes.setdefault(_SKIPS, {})[id(record.optimizer)] = report
-        self.collapse.tally.add(report)
         self.collapse.note_skip(report, lambda: int(counters.consecutive_skips.item()))
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
@@ -249,13 +247,18 @@ class Monitor(Hook):
         self,
         optimizers: Iterable[torch.optim.Optimizer],
         step: int,
-        scale: float,
+        iteration: Iteration,
         origin: SkipOrigin,
     ) -> OverflowReport:
+        """Localize an overflow of ``optimizers`` at ``iteration``'s scale (host syncs) and
+        count the report in the collapse watch's tally."""
+        scale = 1.0 if iteration.scale is None else float(iteration.scale.item())
         report = localize.locate_overflow(
             optimizers, self.names, step=step, scale=scale, cause=origin.cause
         )
-        return dataclasses.replace(report, ranks=origin.ranks, micro_batch=origin.micro_batch)
+        report = dataclasses.replace(report, ranks=origin.ranks, micro_batch=origin.micro_batch)
+        self.collapse.tally.add(report)
+        return report
 
     def _resolve(self, iteration: Iteration, step: int) -> OverflowReport | None:
         """The iteration's overflow report: the skips localized at the step, and the fused
@@ -274,10 +277,7 @@ class Monitor(Hook):
             and record.outcome.reason == "nonfinite"
         ]
         if overflowed and iteration.scale is not None:
-            scale = float(iteration.scale.item())
-            report = self._localize(overflowed, step, scale, iteration.loss_origin())
-            reports.append(report)
-            self.collapse.tally.add(report)
+            reports.append(self._localize(overflowed, step, iteration, iteration.loss_origin()))
         events = notes.get(TRACE_NOTE)
         if reports and events is not None:
             origin = NonFiniteTracer.origin(events)
