@@ -51,7 +51,7 @@ import torch
 from .arguments import check_skip_limit
 from .errors import InvalidConfigError, InvalidStateDictError
 from .policy import BUILT_IN, LOWEST_SCALE, Policy, TorchRule, float32_value
-from .policy.base import require_int, require_number
+from .policy.base import check_switch, require_int, require_number
 from .policy.derived import policy_fields, policy_name, rule_settings, torch_rule, with_fields
 from .policy.scale import INT32_MAX
 from .state import INT64_MAX, HostState, ScalerStats
@@ -118,10 +118,7 @@ def _legacy_kind(saved: Mapping[str, Any]) -> str | None:
         return "HeadroomPolicy"
     if "dynamic" not in saved:
         return None
-    dynamic = saved["dynamic"]
-    if not isinstance(dynamic, bool):
-        raise InvalidConfigError(f"dynamic must be True or False, got {dynamic!r}.")
-    return "ScalePolicy" if dynamic else "StaticPolicy"
+    return "ScalePolicy" if check_switch("dynamic", saved["dynamic"]) else "StaticPolicy"
 
 
 def policy_from_state_dict(

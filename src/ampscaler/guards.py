@@ -53,6 +53,7 @@ import torch
 from .errors import InvalidConfigError, InvalidStateDictError
 from .grads.collect import GradGroups
 from .hooks import Check, Hook
+from .policy.base import require_int, require_number
 
 if TYPE_CHECKING:
     from .iteration import Iteration
@@ -96,16 +97,6 @@ class Guard(Protocol):
     def check(self, measured: StepMeasurements) -> torch.Tensor: ...
 
     def end_iteration(self, skipped: torch.Tensor) -> None: ...
-
-
-def _real(value: object, kinds: type | tuple[type, ...]) -> bool:
-    """Whether ``value`` is of ``kinds`` and not a bool (which Python counts as an int)."""
-    return isinstance(value, kinds) and not isinstance(value, bool)
-
-
-def _require(holds: bool, message: str) -> None:
-    if not holds:
-        raise InvalidConfigError(message)
 
 
 class _Window:
@@ -169,7 +160,7 @@ class _Window:
             and isinstance(count, list)
             and len(values) == len(count) == 2
             and all(isinstance(row, list) and len(row) == size for row in values)
-            and all(_real(c, int) and c >= 0 for c in count)
+            and all(type(c) is int and c >= 0 for c in count)
         )
         if not fits:
             raise InvalidStateDictError(
@@ -238,23 +229,20 @@ class SpikeGuard:
     """
 
     def __init__(self, sigma: float = 6.0, window: int = 128, warmup: int | None = None) -> None:
-        _require(
-            _real(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0,
-            f"sigma must be a finite number > 0 (how many standard deviations above the "
-            f"mean count as a spike; 6.0 is usual), got {sigma!r}.",
+        self.sigma = require_number("sigma", sigma)
+        if not (math.isfinite(self.sigma) and self.sigma > 0):
+            raise InvalidConfigError(
+                f"sigma must be a finite number > 0 (how many standard deviations above the "
+                f"mean count as a spike; 6.0 is usual), got {sigma!r}."
+            )
+        self.window = require_int(
+            "window", window, 2, meaning=" (the steps the mean and deviation cover; 128 is usual)"
         )
-        _require(
-            _real(window, int) and window >= 2,
-            f"window must be an int >= 2 (the steps the mean and deviation cover; 128 is "
-            f"usual), got {window!r}.",
-        )
-        _require(
-            warmup is None or (_real(warmup, int) and warmup >= 0),
-            f"warmup must be an int >= 0 or None (None: the window, {window}), got {warmup!r}.",
-        )
-        self.sigma = float(sigma)
-        self.window = window
-        self.warmup = window if warmup is None else warmup
+        self.warmup = self.window
+        if warmup is not None:
+            self.warmup = require_int(
+                "warmup", warmup, 0, meaning=f" or None (None: the window, {self.window})"
+            )
         self._windows: dict[int, _Window] = {}
         self._pending: dict[int, torch.Tensor] = {}
         self._unknown: dict[torch.device, torch.Tensor] = {}  # a NaN loss, made once per device

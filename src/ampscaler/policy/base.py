@@ -75,6 +75,7 @@ __all__ = [
     "TorchRule",
     "adjusted",
     "check_scale",
+    "check_switch",
     "float32_value",
     "pow2_exponent",
     "require_int",
@@ -116,19 +117,34 @@ def require_int(
     maximum: int | None = None,
     *,
     integral_floats: bool = False,
+    meaning: str = "",
 ) -> int:
     """``value`` as an int if it is an integer (numpy integers and one-element integer tensors
     included, as torch accepts them; with ``integral_floats`` also floats such as ``3.0``)
-    within ``[minimum, maximum]``, else :class:`InvalidConfigError` naming ``name``."""
+    within ``[minimum, maximum]``, else :class:`InvalidConfigError` naming ``name`` (and
+    ``meaning``, what the value is for, after the range)."""
     number = _held(value)
     if integral_floats and isinstance(number, float) and number.is_integer():
         number = int(number)
     within = f">= {minimum}" if maximum is None else f">= {minimum} and <= {_shown(maximum)}"
+    within += meaning
     if isinstance(number, bool) or not isinstance(number, int):
         raise InvalidConfigError(f"{name} must be an int {within}, got {value!r}.")
     if number < minimum or (maximum is not None and number > maximum):
         raise InvalidConfigError(f"{name} must be {within}, got {value!r}.")
     return number
+
+
+def check_switch(name: str, value: object) -> bool:
+    """An on/off setting: ``True`` or ``False``.
+
+    Raises:
+        InvalidConfigError: anything else (a typo such as ``flat_grads="yes"`` must not pass
+            as true).
+    """
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{name} must be True or False, got {value!r}.")
+    return value
 
 
 def _shown(number: int) -> str:
