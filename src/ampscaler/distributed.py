@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,9 @@ import torch.distributed as dist
 from .errors import InvalidConfigError, ScalerUsageError, warn_at_caller
 from .hostcopy import HostCopy, read_values
 from .iteration import Iteration, OptimizerRecord, SkipOrigin
+
+if TYPE_CHECKING:
+    from .scaler import OneRank
 
 __all__ = [
     "NO_GROUP",
@@ -120,76 +123,33 @@ class Origins(NamedTuple):
     micro_batch: int | None = None
 
 
-class Agreement(Protocol):
-    """How a scaler reaches each optimizer's verdict: the one component it calls at the same
-    points of every iteration, whether the rank is alone (the scaler's own ``OneRank``, in
-    ``scaler.py``) or one of the ranks of process groups (:class:`RankAgreement`). The scaler
-    never asks which it holds.
+Agreement: TypeAlias = "OneRank | RankAgreement"
+"""How a scaler reaches each optimizer's verdict: the one component it calls at the same points
+of every iteration, whether the rank is alone (the scaler's own ``OneRank``, in ``scaler.py``)
+or one of the ranks of process groups (:class:`RankAgreement`). The scaler never asks which it
+holds. Both have, in the order an iteration calls them:
 
-    Attributes:
-        ranks: the agreement over process groups (``None``: this rank alone), for a hook whose
-            own verdict must be the same on every rank (a guard's reduction).
-        local_shards: whether gradients are checked through this rank's local shards
-            (``DTensor``), the agreement making the verdict whole.
-        flags_losses: whether ``scale()`` keeps each loss's inf/NaN flag as the losses come
-            (two or three small device ops), for the agreement to agree on at the check.
-    """
-
-    @property
-    def ranks(self) -> RankAgreement | None: ...
-
-    @property
-    def local_shards(self) -> bool: ...
-
-    @property
-    def flags_losses(self) -> bool: ...
-
-    def agree(
-        self,
-        record: OptimizerRecord,
-        found_inf: torch.Tensor | None,
-        iteration: Iteration,
-        device: torch.device,
-        settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> None:
-        """``record.optimizer``'s gradients were checked (``found_inf``; ``None``: none on
-        this rank): set ``record.found_inf`` to the verdict (on the device, no host sync)."""
-
-    def read_early(self, record: OptimizerRecord) -> bool | None:
-        """At ``unscale_()`` of a plain optimizer: whether it overflowed, where reading it now
-        is the one host sync its step needs anyway (``None``: not read now)."""
-
-    def decide(
-        self,
-        record: OptimizerRecord,
-        iteration: Iteration,
-        settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> bool:
-        """A plain optimizer's step: whether it is skipped (inf/NaN or a guard's veto; a host
-        sync). Where the agreement learned where a skip's trouble came from, it sets
-        ``record.origin``."""
-
-    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
-        """A fused optimizer's kernel is about to take ``record.found_inf``: make it final."""
-
-    def flags(
-        self, iteration: Iteration
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
-        """At ``update()``: :meth:`Iteration.checked_flags
-        <ampscaler.iteration.Iteration.checked_flags>`, as agreed."""
-
-    def moved(self) -> None:
-        """The policy has just moved the state, eagerly, by the agreed flags."""
-
-    def loaded(self) -> None:
-        """A checkpoint was loaded."""
-
-    def refuse_alone(self, reason: str) -> None:
-        """Raise :class:`~ampscaler.InvalidConfigError` if this rank decides alone among
-        several (:func:`refuse_alone`)."""
-
-    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """``value``, max-reduced over the ranks (a measurement every rank must act on)."""
+- ``ranks``: the agreement over process groups (``None``: this rank alone), for a hook whose
+  own verdict must be the same on every rank (a guard's reduction); ``local_shards``: whether
+  gradients are checked through this rank's local shards (``DTensor``), the agreement making
+  the verdict whole; ``flags_losses``: whether ``scale()`` keeps each loss's inf/NaN flag as the
+  losses come (two or three small device ops), for the agreement to agree on at the check;
+- ``agree(record, found_inf, iteration, device, settings)``: ``record.optimizer``'s gradients
+  were checked (``found_inf``; ``None``: none on this rank): set ``record.found_inf`` to the
+  verdict (on the device, no host sync);
+- ``read_early(record)``: at ``unscale_()`` of a plain optimizer, whether it overflowed, where
+  reading it now is the one host sync its step needs anyway (``None``: not read now);
+- ``decide(record, iteration, settings)``: a plain optimizer's step, whether it is skipped
+  (inf/NaN or a guard's veto; a host sync), setting ``record.origin`` where it learned where a
+  skip's trouble came from; ``before_kernel(record, iteration)``: a fused optimizer's kernel is
+  about to take ``record.found_inf``, made final here;
+- ``flags(iteration)``: at ``update()``, :meth:`Iteration.checked_flags
+  <ampscaler.iteration.Iteration.checked_flags>`, as agreed; ``moved()``: the policy has just
+  moved the state, eagerly, by the agreed flags; ``loaded()``: a checkpoint was loaded;
+- ``refuse_alone(reason)``: raise :class:`~ampscaler.InvalidConfigError` if this rank decides
+  alone among several (:func:`refuse_alone`); ``max_over_ranks(value)``: ``value``, max-reduced
+  over the ranks (a measurement every rank must act on).
+"""
 
 
 def refuse_alone(reason: str) -> None:
@@ -432,7 +392,7 @@ class RankAgreement:
 
     @property
     def ranks(self) -> RankAgreement:
-        """This agreement (:class:`Agreement`)."""
+        """This agreement (:data:`Agreement`)."""
         return self
 
     def agree(
