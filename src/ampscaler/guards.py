@@ -343,11 +343,8 @@ class GuardSet(Hook):
 
     Example:
         >>> guards = GuardSet()
-        >>> bool(guards)
-        False
-        >>> _ = guards.add(SpikeGuard())
-        >>> bool(guards)
-        True
+        >>> guards.active, guards.adopt(SpikeGuard()), guards.active, guards.adopt("a sink?")
+        (False, True, True, False)
     """
 
     def __init__(self) -> None:
@@ -355,42 +352,28 @@ class GuardSet(Hook):
         #: Whether any guard was added (a plain attribute: read on every step).
         self.active = False
 
-    def __bool__(self) -> bool:
-        return self.active
-
-    def add(self, guard: Guard) -> Guard:
-        """Add ``guard``; it decides from the next step on.
+    def adopt(self, plugin: object) -> bool:
+        """Add ``plugin`` if it is a guard (``check`` and ``end_iteration``); it decides from
+        the next step on.
 
         Raises:
-            TypeError: ``guard`` lacks ``check`` or ``end_iteration``.
             InvalidConfigError: it is added already.
         """
-        if not isinstance(guard, Guard):
-            raise TypeError(
-                f"attach() takes a guard (an object with check(measured) and "
-                f"end_iteration(skipped), such as ampscaler.SpikeGuard), got "
-                f"{type(guard).__name__}."
-            )
-        if any(existing is guard for existing in self._guards):
-            raise InvalidConfigError(f"{guard!r} is added to this scaler already.")
-        self._guards.append(guard)
-        self.active = True
-        self.changed()
-        return guard
-
-    def adopt(self, plugin: object) -> bool:
-        """Add ``plugin`` if it is a guard."""
         if not isinstance(plugin, Guard):
             return False
-        self.add(plugin)
+        if any(existing is plugin for existing in self._guards):
+            raise InvalidConfigError(f"{plugin!r} is added to this scaler already.")
+        self._guards.append(plugin)
+        self.active = True
+        self.changed()
         return True
 
     def release(self, plugin: object) -> bool:
         """Remove ``plugin`` if it is one of the guards."""
-        if not any(existing is plugin for existing in self._guards):
+        kept = [existing for existing in self._guards if existing is not plugin]
+        if len(kept) == len(self._guards):
             return False
-        self._guards = [existing for existing in self._guards if existing is not plugin]
-        self.active = bool(self._guards)
+        self._guards, self.active = kept, bool(kept)
         self.changed()
         return True
 
@@ -468,13 +451,13 @@ class GuardSet(Hook):
             raise InvalidStateDictError(
                 f"guards must be the JSON list that state_dict() writes, got {text!r:.80}."
             )
-        loads = []
-        for guard, state in zip(self._guards, states, strict=False):
-            load = getattr(guard, "load_state_dict", None)
-            trial = getattr(copy.deepcopy(guard), "load_state_dict", None)
-            if load is not None and trial is not None:
-                trial(state)  # on a copy: raises if the state does not fit the guard
-                loads.append((load, state))
+        loads = [
+            (guard, state)
+            for guard, state in zip(self._guards, states, strict=False)
+            if hasattr(guard, "load_state_dict")
+        ]
+        for guard, state in loads:  # on copies: raises if a state does not fit its guard
+            copy.deepcopy(guard).load_state_dict(state)
         dropped = len(states) - len(self._guards)
         if dropped > 0:
             kinds = ", ".join(str(state.get("kind")) for state in states[len(self._guards) :])
@@ -487,8 +470,8 @@ class GuardSet(Hook):
             )
 
         def restore() -> None:
-            for load, state in loads:
-                load(state)
+            for guard, state in loads:
+                guard.load_state_dict(state)
 
         return restore
 
