@@ -92,17 +92,13 @@ class Pow2Watch:
         self._version = scale._version
 
     def before_update(self) -> None:
-        """An ``update()`` is about to move the scale: if something wrote the scale since the
-        watch last knew it, that write is not followed (forget what is known)."""
-        if self._written_outside():
-            assert self._scale is not None
-            self.forget(self._scale)
-
-    def _written_outside(self) -> bool:
-        if self._scale is None:
-            return False
+        """An ``update()`` is about to move the scale (or :attr:`exact` is asked): if something
+        wrote the scale since the watch last knew it, that write is not followed (forget what
+        is known)."""
+        scale = self._scale
         # Traced code does not read version counters: there, assume a write (never wrong).
-        return torch.compiler.is_compiling() or self._scale._version != self._version
+        if scale is not None and (torch.compiler.is_compiling() or scale._version != self._version):
+            self.forget(scale)
 
     def _seen_now(self) -> None:
         if self._scale is not None and not torch.compiler.is_compiling():
@@ -146,9 +142,7 @@ class Pow2Watch:
         """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now."""
         if not self._device_ok:
             return False
-        if self._written_outside():
-            assert self._scale is not None
-            self.forget(self._scale)
+        self.before_update()
         if self._forgotten is not None:
             self._copy(self._forgotten)
             self._forgotten = None

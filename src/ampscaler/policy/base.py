@@ -198,12 +198,8 @@ def check_scale(
     low = LOWEST_SCALE if min_scale is None else max(float32_value(min_scale), LOWEST_SCALE)
     high = math.inf if max_scale is None else float32_value(max_scale)
     if not (math.isfinite(stored) and low <= stored <= high):
-        if min_scale is None and max_scale is None:
-            within = ""
-        else:
-            within = (
-                f" and within [min_scale, max_scale] = [{min_scale or 0}, {max_scale or math.inf}]"
-            )
+        bounds = f"[min_scale, max_scale] = [{min_scale or 0}, {max_scale or math.inf}]"
+        within = "" if (min_scale, max_scale) == (None, None) else f" and within {bounds}"
         raise InvalidConfigError(
             f"{name} must be a number > 0 that is finite as a float32 and at least 2**-126 "
             f"(float32's smallest normal number: below it unscaling is not exact){within}, "
