@@ -406,10 +406,8 @@ class GuardSet(Hook):
             if loss is not None:
                 loss = packed[1] / ranks
         measured = StepMeasurements(check.record.optimizer, norm, loss)
-        flags = [guard.check(measured).to(device, torch.float32) for guard in self._guards]
-        if not flags:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return functools.reduce(torch.maximum, flags)
+        flags = (guard.check(measured).to(device, torch.float32) for guard in self._guards)
+        return functools.reduce(torch.maximum, flags)  # due only while it holds a guard
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
         """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
