@@ -181,13 +181,10 @@ def _from_flat_keys(prototype: Policy, saved: Mapping[str, Any]) -> tuple[Policy
         "_hysteresis_tracker",
         saved.get("_hysteresis_tracker", hysteresis),
         0,
-        INT32_MAX,
+        hysteresis,
         integral_floats=True,
+        meaning=" (the hysteresis)",
     )
-    if budget > hysteresis:
-        raise InvalidConfigError(
-            f"_hysteresis_tracker must not exceed hysteresis ({hysteresis}), got {budget}."
-        )
     return restored, {"hysteresis_left": budget}
 
 
