@@ -139,14 +139,24 @@ class Pow2Watch:
 
     @property
     def exact(self) -> bool:
-        """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now."""
+        """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now. After a move
+        the watch did not follow, the first ask starts copying the scale to the host without
+        waiting; what the copy holds is known once it has landed (no host sync)."""
         if not self._device_ok:
             return False
         self.before_update()
-        if self._forgotten is not None:
-            self._copy(self._forgotten)
+        forgotten = self._forgotten
+        if forgotten is not None:  # copy it to the host without waiting (adopted once landed)
+            self._pending = HostCopy(forgotten, self._updates)
+            self._pending_version = forgotten._version
             self._forgotten = None
-        self._adopt_landed()
+        pending = self._pending
+        if pending is not None and pending.landed():
+            self._pending = None
+            since = self._lowers and self._updates > pending.at  # held at the floor since
+            self._learn(float(pending.tolist()), updated=since)
+            if self._scale is not None:  # writes after the copy are still unseen
+                self._version = self._pending_version
         return self._exact
 
     def _learn(self, value: float, updated: bool) -> None:
@@ -155,17 +165,3 @@ class Pow2Watch:
         self._pow2 = self._keeps and exponent is not None
         normal = exponent is not None and exponent >= LOWEST_EXACT
         self._exact = self._pow2 and (updated or normal)
-
-    def _copy(self, scale: torch.Tensor) -> None:
-        """Start copying ``scale`` to the host without waiting (adopted once landed)."""
-        self._pending = HostCopy(scale, self._updates)
-        self._pending_version = scale._version
-
-    def _adopt_landed(self) -> None:
-        pending = self._pending
-        if pending is not None and pending.landed():
-            self._pending = None
-            since = self._lowers and self._updates > pending.at  # held at the floor since
-            self._learn(float(pending.tolist()), updated=since)
-            if self._scale is not None:  # writes after the copy are still unseen
-                self._version = self._pending_version
