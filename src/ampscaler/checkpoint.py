@@ -224,19 +224,6 @@ def _stats(counts: object) -> ScalerStats:
     return ScalerStats(**values)
 
 
-def _validated(saved: Mapping[str, Any], current: Policy, current_limit: int | None) -> Loaded:
-    policy, own = policy_from_state_dict(saved, current)
-    limit = check_skip_limit(saved.get("max_consecutive_skips", current_limit))
-    scale = _saved_scale(policy, saved["scale"])
-    tracker = require_int(
-        "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
-    )
-    stats = _stats(saved["stats"]) if "stats" in saved else ScalerStats()
-    host = HostState(scale, tracker, own, stats)
-    _trial_state(policy, host)
-    return Loaded(policy, limit, host)
-
-
 def _saved_scale(policy: Policy, value: object) -> float:
     """The saved scale, validated by ``policy``; a scale of 0 or below ``2**-126`` (what
     torch's scaler saves after a collapse) is refused with what to do.
@@ -304,6 +291,15 @@ def from_state_dict(saved: object, current: Policy, current_limit: int | None) -
             "returned by scaler.state_dict() (torch's or ampscaler's)."
         )
     try:
-        return _validated(saved, current, current_limit)
+        policy, own = policy_from_state_dict(saved, current)
+        limit = check_skip_limit(saved.get("max_consecutive_skips", current_limit))
+        scale = _saved_scale(policy, saved["scale"])
+        tracker = require_int(
+            "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
+        )
+        stats = _stats(saved["stats"]) if "stats" in saved else ScalerStats()
+        host = HostState(scale, tracker, own, stats)
+        _trial_state(policy, host)
+        return Loaded(policy, limit, host)
     except (InvalidConfigError, TypeError, KeyError) as error:
         raise InvalidStateDictError(f"Invalid GradScaler state dict: {error}") from error
