@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -260,6 +261,13 @@ def test_a_spike_step_is_recorded_as_such() -> None:
 def test_bad_guard_arguments_are_named(kwargs: dict[str, Any], argument: str) -> None:
     with pytest.raises(ValueError, match=f"^{argument} must"):
         SpikeGuard(**kwargs)
+
+
+def test_guard_arguments_are_taken_as_torch_takes_numbers() -> None:
+    """numpy scalars and one-element tensors, validated as the policies' arguments are."""
+    guard = SpikeGuard(sigma=torch.tensor(3.0), window=numpy.int64(8), warmup=numpy.int32(4))
+    assert (guard.sigma, guard.window, guard.warmup) == (3.0, 8, 4)
+    assert type(guard.window) is int and type(guard.warmup) is int
 
 
 def test_add_guard_refuses_what_is_not_a_guard_and_a_guard_twice() -> None:

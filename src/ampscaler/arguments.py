@@ -17,8 +17,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from .errors import InvalidConfigError
-from .policy import Policy, float32_value
-from .policy.base import require_int
+from .policy.base import Policy, check_switch, float32_value, require_int
 
 __all__ = [
     "DEFAULT_INIT_SCALE",
@@ -166,22 +165,7 @@ def _at_least_one(name: str, value: object, meaning: str) -> int:
     :class:`InvalidConfigError` saying what ``name`` takes (``meaning``)."""
     if type(value) is int and value >= 1:
         return value  # the common case, at every batch: the general check cost ~1% of a 0.7 ms one
-    try:
-        return require_int(name, value, 1)
-    except InvalidConfigError:
-        raise InvalidConfigError(f"{name} must be an int >= 1{meaning}, got {value!r}.") from None
-
-
-def check_switch(name: str, value: object) -> bool:
-    """An on/off setting: ``True`` or ``False``.
-
-    Raises:
-        InvalidConfigError: anything else (a typo such as ``flat_grads="yes"`` must not pass
-            as true).
-    """
-    if not isinstance(value, bool):
-        raise InvalidConfigError(f"{name} must be True or False, got {value!r}.")
-    return value
+    return require_int(name, value, 1, meaning=meaning)
 
 
 def new_scale_value(new_scale: float | torch.Tensor, policy: Policy) -> float:

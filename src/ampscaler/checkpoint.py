@@ -51,7 +51,7 @@ import torch
 from .arguments import check_skip_limit
 from .errors import InvalidConfigError, InvalidStateDictError
 from .policy import BUILT_IN, LOWEST_SCALE, Policy, TorchRule, float32_value
-from .policy.base import require_int, require_number
+from .policy.base import check_switch, require_int, require_number
 from .policy.derived import policy_fields, policy_name, rule_settings, torch_rule, with_fields
 from .policy.scale import INT32_MAX
 from .state import INT64_MAX, HostState, ScalerStats
@@ -118,10 +118,7 @@ def _legacy_kind(saved: Mapping[str, Any]) -> str | None:
         return "HeadroomPolicy"
     if "dynamic" not in saved:
         return None
-    dynamic = saved["dynamic"]
-    if not isinstance(dynamic, bool):
-        raise InvalidConfigError(f"dynamic must be True or False, got {dynamic!r}.")
-    return "ScalePolicy" if dynamic else "StaticPolicy"
+    return "ScalePolicy" if check_switch("dynamic", saved["dynamic"]) else "StaticPolicy"
 
 
 def policy_from_state_dict(
@@ -184,13 +181,10 @@ def _from_flat_keys(prototype: Policy, saved: Mapping[str, Any]) -> tuple[Policy
         "_hysteresis_tracker",
         saved.get("_hysteresis_tracker", hysteresis),
         0,
-        INT32_MAX,
+        hysteresis,
         integral_floats=True,
+        meaning=" (the hysteresis)",
     )
-    if budget > hysteresis:
-        raise InvalidConfigError(
-            f"_hysteresis_tracker must not exceed hysteresis ({hysteresis}), got {budget}."
-        )
     return restored, {"hysteresis_left": budget}
 
 
@@ -228,19 +222,6 @@ def _stats(counts: object) -> ScalerStats:
             "without a 'stats' key to start every counter at 0."
         )
     return ScalerStats(**values)
-
-
-def _validated(saved: Mapping[str, Any], current: Policy, current_limit: int | None) -> Loaded:
-    policy, own = policy_from_state_dict(saved, current)
-    limit = check_skip_limit(saved.get("max_consecutive_skips", current_limit))
-    scale = _saved_scale(policy, saved["scale"])
-    tracker = require_int(
-        "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
-    )
-    stats = _stats(saved["stats"]) if "stats" in saved else ScalerStats()
-    host = HostState(scale, tracker, own, stats)
-    _trial_state(policy, host)
-    return Loaded(policy, limit, host)
 
 
 def _saved_scale(policy: Policy, value: object) -> float:
@@ -310,6 +291,15 @@ def from_state_dict(saved: object, current: Policy, current_limit: int | None) -
             "returned by scaler.state_dict() (torch's or ampscaler's)."
         )
     try:
-        return _validated(saved, current, current_limit)
+        policy, own = policy_from_state_dict(saved, current)
+        limit = check_skip_limit(saved.get("max_consecutive_skips", current_limit))
+        scale = _saved_scale(policy, saved["scale"])
+        tracker = require_int(
+            "_growth_tracker", saved["_growth_tracker"], 0, INT32_MAX, integral_floats=True
+        )
+        stats = _stats(saved["stats"]) if "stats" in saved else ScalerStats()
+        host = HostState(scale, tracker, own, stats)
+        _trial_state(policy, host)
+        return Loaded(policy, limit, host)
     except (InvalidConfigError, TypeError, KeyError) as error:
         raise InvalidStateDictError(f"Invalid GradScaler state dict: {error}") from error

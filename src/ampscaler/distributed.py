@@ -62,9 +62,10 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,9 @@ import torch.distributed as dist
 from .errors import InvalidConfigError, ScalerUsageError, warn_at_caller
 from .hostcopy import HostCopy, read_values
 from .iteration import Iteration, OptimizerRecord, SkipOrigin
+
+if TYPE_CHECKING:
+    from .scaler import OneRank
 
 __all__ = [
     "NO_GROUP",
@@ -119,76 +123,33 @@ class Origins(NamedTuple):
     micro_batch: int | None = None
 
 
-class Agreement(Protocol):
-    """How a scaler reaches each optimizer's verdict: the one component it calls at the same
-    points of every iteration, whether the rank is alone (the scaler's own ``OneRank``, in
-    ``scaler.py``) or one of the ranks of process groups (:class:`RankAgreement`). The scaler
-    never asks which it holds.
+Agreement: TypeAlias = "OneRank | RankAgreement"
+"""How a scaler reaches each optimizer's verdict: the one component it calls at the same points
+of every iteration, whether the rank is alone (the scaler's own ``OneRank``, in ``scaler.py``)
+or one of the ranks of process groups (:class:`RankAgreement`). The scaler never asks which it
+holds. Both have, in the order an iteration calls them:
 
-    Attributes:
-        ranks: the agreement over process groups (``None``: this rank alone), for a hook whose
-            own verdict must be the same on every rank (a guard's reduction).
-        local_shards: whether gradients are checked through this rank's local shards
-            (``DTensor``), the agreement making the verdict whole.
-        flags_losses: whether ``scale()`` keeps each loss's inf/NaN flag as the losses come
-            (two or three small device ops), for the agreement to agree on at the check.
-    """
-
-    @property
-    def ranks(self) -> RankAgreement | None: ...
-
-    @property
-    def local_shards(self) -> bool: ...
-
-    @property
-    def flags_losses(self) -> bool: ...
-
-    def agree(
-        self,
-        record: OptimizerRecord,
-        found_inf: torch.Tensor | None,
-        iteration: Iteration,
-        device: torch.device,
-        settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> None:
-        """``record.optimizer``'s gradients were checked (``found_inf``; ``None``: none on
-        this rank): set ``record.found_inf`` to the verdict (on the device, no host sync)."""
-
-    def read_early(self, record: OptimizerRecord) -> bool | None:
-        """At ``unscale_()`` of a plain optimizer: whether it overflowed, where reading it now
-        is the one host sync its step needs anyway (``None``: not read now)."""
-
-    def decide(
-        self,
-        record: OptimizerRecord,
-        iteration: Iteration,
-        settings: Callable[[], Mapping[str, SettingValue]],
-    ) -> bool:
-        """A plain optimizer's step: whether it is skipped (inf/NaN or a guard's veto; a host
-        sync). Where the agreement learned where a skip's trouble came from, it sets
-        ``record.origin``."""
-
-    def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
-        """A fused optimizer's kernel is about to take ``record.found_inf``: make it final."""
-
-    def flags(
-        self, iteration: Iteration
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool | None, torch.Tensor | None]:
-        """At ``update()``: :meth:`Iteration.checked_flags
-        <ampscaler.iteration.Iteration.checked_flags>`, as agreed."""
-
-    def moved(self) -> None:
-        """The policy has just moved the state, eagerly, by the agreed flags."""
-
-    def loaded(self) -> None:
-        """A checkpoint was loaded."""
-
-    def refuse_alone(self, reason: str) -> None:
-        """Raise :class:`~ampscaler.InvalidConfigError` if this rank decides alone among
-        several (:func:`refuse_alone`)."""
-
-    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """``value``, max-reduced over the ranks (a measurement every rank must act on)."""
+- ``ranks``: the agreement over process groups (``None``: this rank alone), for a hook whose
+  own verdict must be the same on every rank (a guard's reduction); ``local_shards``: whether
+  gradients are checked through this rank's local shards (``DTensor``), the agreement making
+  the verdict whole; ``flags_losses``: whether ``scale()`` keeps each loss's inf/NaN flag as the
+  losses come (two or three small device ops), for the agreement to agree on at the check;
+- ``agree(record, found_inf, iteration, device, settings)``: ``record.optimizer``'s gradients
+  were checked (``found_inf``; ``None``: none on this rank): set ``record.found_inf`` to the
+  verdict (on the device, no host sync);
+- ``read_early(record)``: at ``unscale_()`` of a plain optimizer, whether it overflowed, where
+  reading it now is the one host sync its step needs anyway (``None``: not read now);
+- ``decide(record, iteration, settings)``: a plain optimizer's step, whether it is skipped
+  (inf/NaN or a guard's veto; a host sync), setting ``record.origin`` where it learned where a
+  skip's trouble came from; ``before_kernel(record, iteration)``: a fused optimizer's kernel is
+  about to take ``record.found_inf``, made final here;
+- ``flags(iteration)``: at ``update()``, :meth:`Iteration.checked_flags
+  <ampscaler.iteration.Iteration.checked_flags>`, as agreed; ``moved()``: the policy has just
+  moved the state, eagerly, by the agreed flags; ``loaded()``: a checkpoint was loaded;
+- ``refuse_alone(reason)``: raise :class:`~ampscaler.InvalidConfigError` if this rank decides
+  alone among several (:func:`refuse_alone`); ``max_over_ranks(value)``: ``value``, max-reduced
+  over the ranks (a measurement every rank must act on).
+"""
 
 
 def refuse_alone(reason: str) -> None:
@@ -305,26 +266,22 @@ def _rank_in(group: dist.ProcessGroup) -> int:
 def _distinct_groups(spec: object) -> tuple[dist.ProcessGroup, ...]:
     """The groups of ``spec`` that add something: repeats and groups whose ranks lie within
     another given group are dropped (reducing over the larger one covers them)."""
-    if isinstance(spec, (list, tuple)):
-        if not spec:
-            raise InvalidConfigError(
-                "process_group is an empty list; pass the groups whose ranks must agree, or "
-                "None for none."
-            )
-        groups = [_require_group(group) for group in spec]
-    else:
-        groups = [_require_group(spec)]
-    members = [frozenset(dist.get_process_group_ranks(group)) for group in groups]
-    kept = []
-    for index, ranks in enumerate(members):
-        covered = any(
-            (ranks < other) or (ranks == other and other_index < index)
-            for other_index, other in enumerate(members)
-            if other_index != index
+    specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    if not specs:
+        raise InvalidConfigError(
+            "process_group is an empty list; pass the groups whose ranks must agree, or "
+            "None for none."
         )
-        if not covered:
-            kept.append(groups[index])
-    return tuple(kept)
+    groups = [_require_group(group) for group in specs]
+    members = [frozenset(dist.get_process_group_ranks(group)) for group in groups]
+    return tuple(
+        group
+        for index, (group, ranks) in enumerate(zip(groups, members, strict=True))
+        if not any(
+            ranks < other or (ranks == other and earlier < index)
+            for earlier, other in enumerate(members)
+        )
+    )
 
 
 class RankAgreement:
@@ -435,7 +392,7 @@ class RankAgreement:
 
     @property
     def ranks(self) -> RankAgreement:
-        """This agreement (:class:`Agreement`)."""
+        """This agreement (:data:`Agreement`)."""
         return self
 
     def agree(
@@ -463,10 +420,11 @@ class RankAgreement:
         Raises:
             InvalidConfigError: an earlier verdict's fingerprints differed (every rank raises).
         """
-        self._check_landed(settings)
+        if self._landed_differ():
+            self._stop(settings)
         if self._compared is None:  # the first time, and after a load
             self._compared = _Compared(settings(), self._loads)
-        no, yes = self._compared.constants(device)
+        no, yes, _, _ = self._compared.made(device)
         flag = no if found_inf is None else found_inf.to(torch.float32)
         local_loss = iteration.local_loss_flag
         loss = no if local_loss is None else local_loss.to(device, torch.float32)
@@ -476,7 +434,7 @@ class RankAgreement:
             loss = loss.reshape(())
         verdict = torch.stack([loss, held, flag, fingerprint, negated])
         agreed = verdict[_FLAG]
-        iteration.launched.append((self._reduce_max(verdict), verdict, agreed))
+        iteration.launched.append((self._reduce(verdict, dist.ReduceOp.MAX), verdict, agreed))
         record.local_found_inf, record.found_inf = found_inf, agreed
         iteration.loss_nonfinite = verdict[_LOSS]
 
@@ -507,9 +465,7 @@ class RankAgreement:
         agreed = record.found_inf
         assert agreed is not None, "agree() set the verdict"
         mine = _verdict_of(agreed)
-        for settled, flag in self._wait(iteration):  # read here; others' kernels take theirs
-            if settled is not mine:
-                self._fold(settled, flag)
+        self._settle(iteration, read=mine)  # read here; others' kernels take theirs
         verdict: list[float]
         if record.spike is None:  # the verdict says it all: one read
             verdict = mine.tolist()
@@ -539,7 +495,12 @@ class RankAgreement:
         held none of its gradients itself."""
         self._settle(iteration)
         agreed = record.found_inf
-        if record.local_found_inf is None and agreed is not None and self._unchecked(agreed):
+        if (
+            record.local_found_inf is None  # the host sync below only where no gradient was
+            and agreed is not None
+            and self._refuse_unchecked
+            and float(_verdict_of(agreed)[_HELD].item()) <= 0
+        ):
             record.found_inf = None
 
     def flags(
@@ -557,7 +518,7 @@ class RankAgreement:
         NCCL a stream dependency, with gloo the host waits); ``value`` itself is left
         unchanged."""
         agreed = value.clone()
-        self._reduce_max(agreed).wait()
+        self._reduce(agreed, dist.ReduceOp.MAX).wait()
         return agreed
 
     def moved(self) -> None:
@@ -576,63 +537,41 @@ class RankAgreement:
         self._loads += 1
         self._compared = None  # the settings, and maybe the state tensors, are new
 
-    def _reduce_max(self, tensor: torch.Tensor) -> dist.Work:
-        """Start max-reducing ``tensor`` in place over the groups; the last reduction's work,
-        to wait for (with several groups, the reductions before the last are waited for in
-        order: with NCCL a stream dependency). No host sync with NCCL."""
+    def _reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> dist.Work:
+        """Start reducing ``tensor`` in place by ``op`` over the groups, one after the other
+        (for groups forming a grid: over the whole grid); the last reduction's work, to wait
+        for (the reductions before the last are waited for in order: with NCCL a stream
+        dependency). No host sync with NCCL."""
         *first, last = self._groups
         for group in first:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        work: dist.Work | None = dist.all_reduce(
-            tensor, op=dist.ReduceOp.MAX, group=last, async_op=True
-        )
+            dist.all_reduce(tensor, op=op, group=group)
+        work: dist.Work | None = dist.all_reduce(tensor, op=op, group=last, async_op=True)
         assert work is not None
         return work
 
     def sum_(self, values: torch.Tensor) -> int:
-        """Sum ``values`` in place over the groups, one after the other (for groups forming a
-        grid: over the whole grid); returns how many ranks were summed, for averages."""
-        ranks = 1
-        for group in self._groups:
-            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-            ranks *= dist.get_world_size(group)
-        return ranks
+        """Sum ``values`` in place over the groups (:meth:`_reduce`, waited for); returns how
+        many ranks were summed, for averages."""
+        self._reduce(values, dist.ReduceOp.SUM).wait()
+        return math.prod(dist.get_world_size(group) for group in self._groups)
 
-    def _settle(self, iteration: Iteration) -> None:
-        """Wait for every reduction launched in ``iteration``; a verdict whose fingerprints
-        differed skips its step (its flag set on the device) and is kept for the check.
+    def _settle(self, iteration: Iteration, read: torch.Tensor | None = None) -> None:
+        """Wait for every reduction launched in ``iteration``. Each verdict but ``read`` (which
+        its caller reads now) is one nobody reads (its kernel takes its agreed flag): if its
+        fingerprints differ, its flag is set on the device (the step is skipped), and it is
+        started on its way to the next check (three small device ops and a copy).
 
         With gloo (CPU) this blocks the host until the reductions are done; with NCCL it only
         makes the current stream wait for them. No host sync.
         """
-        for verdict, agreed in self._wait(iteration):
-            self._fold(verdict, agreed)
-
-    def _wait(self, iteration: Iteration) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Wait for every reduction launched in ``iteration``; the verdicts that settled, with
-        their agreed flags."""
         launched, iteration.launched = iteration.launched, []
-        for work, _, _ in launched:
+        for work, verdict, agreed in launched:
             work.wait()
-        return [(verdict, agreed) for _, verdict, agreed in launched]
-
-    def _fold(self, verdict: torch.Tensor, agreed: torch.Tensor) -> None:
-        """A verdict nobody reads now (its kernel takes the flag ``agreed``): if its
-        fingerprints differ, set the flag on the device (the step is skipped), and start the
-        verdict on its way to the next agree()'s check. Three small device ops and a copy."""
-        # flag + (max - min) of the fingerprints: exact integers in float32; > 0 is a skip,
-        # and the kernels take exactly 1.0 for one.
-        torch.clamp(verdict[_FLAG:].sum(), max=1.0, out=agreed)
-        self._landing.append(HostCopy(verdict, 0))
-
-    def _unchecked(self, agreed: torch.Tensor) -> bool:
-        """Whether the optimizer whose verdict is ``agreed`` is to be treated as unchecked (as
-        torch's ``GradScaler`` treats an optimizer without gradients): no rank of the groups
-        held any of its gradients, and this agreement refuses such optimizers. A host sync
-        when it does: ask only on a rank that held none of them itself."""
-        if not self._refuse_unchecked:
-            return False
-        return float(_verdict_of(agreed)[_HELD].item()) <= 0
+            if verdict is not read:
+                # flag + (max - min) of the fingerprints: exact integers in float32; > 0 is a
+                # skip, and the kernels take exactly 1.0 for one.
+                torch.clamp(verdict[_FLAG:].sum(), max=1.0, out=agreed)
+                self._landing.append(HostCopy(verdict, 0))
 
     def origins(
         self,
@@ -665,15 +604,11 @@ class RankAgreement:
             micro_batch=table[loss_ranks[0]][2] if loss_ranks else None,
         )
 
-    def _check_landed(self, settings: Callable[[], Mapping[str, SettingValue]]) -> None:
-        """Raise on every rank if a verdict settled since the last check had differing
-        fingerprints (waiting for its copy, which has normally landed long ago)."""
-        if self._landing and self._landed_differ():
-            self._stop(settings)
-
     def _landed_differ(self) -> bool:
         """Whether a verdict on its way since the last check had differing fingerprints
         (waiting for the copies, normally landed long ago); forgets them."""
+        if not self._landing:
+            return False
         landing, self._landing = self._landing, []
         return any(_differ(copy.wait()) for copy in landing)
 
@@ -745,12 +680,9 @@ class _Compared:
         # negation) stands: as hashed, or as the scaler's own transition left them since.
         self._last: tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``0.0`` and ``1.0`` on ``device`` (made once: no copy to the device per verdict)."""
-        made = self._made(device)
-        return made[0], made[1]
-
-    def _made(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def made(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``0.0``, ``1.0``, the hash's weights and the settings' code on ``device`` (made once:
+        no copy to the device per verdict)."""
         made = self._on.get(device)
         if made is None:
             words = sum(view.numel() for view in self._words) + 1
@@ -782,7 +714,7 @@ class _Compared:
             versions = self._versions()
             if self._last is not None and self._last[0] == versions:
                 return self._last[1]
-        _, _, weights, code = self._made(device)
+        _, _, weights, code = self.made(device)
         words = torch.cat([*self._words, code])  # the state tensors live on ``device``
         fingerprint = (words * weights).sum().remainder(_PRIME).to(torch.float32)
         pair = (fingerprint, -fingerprint)

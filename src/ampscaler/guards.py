@@ -53,6 +53,7 @@ import torch
 from .errors import InvalidConfigError, InvalidStateDictError
 from .grads.collect import GradGroups
 from .hooks import Check, Hook
+from .policy.base import require_int, require_number
 
 if TYPE_CHECKING:
     from .iteration import Iteration
@@ -96,16 +97,6 @@ class Guard(Protocol):
     def check(self, measured: StepMeasurements) -> torch.Tensor: ...
 
     def end_iteration(self, skipped: torch.Tensor) -> None: ...
-
-
-def _real(value: object, kinds: type | tuple[type, ...]) -> bool:
-    """Whether ``value`` is of ``kinds`` and not a bool (which Python counts as an int)."""
-    return isinstance(value, kinds) and not isinstance(value, bool)
-
-
-def _require(holds: bool, message: str) -> None:
-    if not holds:
-        raise InvalidConfigError(message)
 
 
 class _Window:
@@ -169,7 +160,7 @@ class _Window:
             and isinstance(count, list)
             and len(values) == len(count) == 2
             and all(isinstance(row, list) and len(row) == size for row in values)
-            and all(_real(c, int) and c >= 0 for c in count)
+            and all(type(c) is int and c >= 0 for c in count)
         )
         if not fits:
             raise InvalidStateDictError(
@@ -238,23 +229,20 @@ class SpikeGuard:
     """
 
     def __init__(self, sigma: float = 6.0, window: int = 128, warmup: int | None = None) -> None:
-        _require(
-            _real(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0,
-            f"sigma must be a finite number > 0 (how many standard deviations above the "
-            f"mean count as a spike; 6.0 is usual), got {sigma!r}.",
+        self.sigma = require_number("sigma", sigma)
+        if not (math.isfinite(self.sigma) and self.sigma > 0):
+            raise InvalidConfigError(
+                f"sigma must be a finite number > 0 (how many standard deviations above the "
+                f"mean count as a spike; 6.0 is usual), got {sigma!r}."
+            )
+        self.window = require_int(
+            "window", window, 2, meaning=" (the steps the mean and deviation cover; 128 is usual)"
         )
-        _require(
-            _real(window, int) and window >= 2,
-            f"window must be an int >= 2 (the steps the mean and deviation cover; 128 is "
-            f"usual), got {window!r}.",
-        )
-        _require(
-            warmup is None or (_real(warmup, int) and warmup >= 0),
-            f"warmup must be an int >= 0 or None (None: the window, {window}), got {warmup!r}.",
-        )
-        self.sigma = float(sigma)
-        self.window = window
-        self.warmup = window if warmup is None else warmup
+        self.warmup = self.window
+        if warmup is not None:
+            self.warmup = require_int(
+                "warmup", warmup, 0, meaning=f" or None (None: the window, {self.window})"
+            )
         self._windows: dict[int, _Window] = {}
         self._pending: dict[int, torch.Tensor] = {}
         self._unknown: dict[torch.device, torch.Tensor] = {}  # a NaN loss, made once per device
@@ -355,11 +343,8 @@ class GuardSet(Hook):
 
     Example:
         >>> guards = GuardSet()
-        >>> bool(guards)
-        False
-        >>> _ = guards.add(SpikeGuard())
-        >>> bool(guards)
-        True
+        >>> guards.active, guards.adopt(SpikeGuard()), guards.active, guards.adopt("a sink?")
+        (False, True, True, False)
     """
 
     def __init__(self) -> None:
@@ -367,42 +352,28 @@ class GuardSet(Hook):
         #: Whether any guard was added (a plain attribute: read on every step).
         self.active = False
 
-    def __bool__(self) -> bool:
-        return self.active
-
-    def add(self, guard: Guard) -> Guard:
-        """Add ``guard``; it decides from the next step on.
+    def adopt(self, plugin: object) -> bool:
+        """Add ``plugin`` if it is a guard (``check`` and ``end_iteration``); it decides from
+        the next step on.
 
         Raises:
-            TypeError: ``guard`` lacks ``check`` or ``end_iteration``.
             InvalidConfigError: it is added already.
         """
-        if not isinstance(guard, Guard):
-            raise TypeError(
-                f"attach() takes a guard (an object with check(measured) and "
-                f"end_iteration(skipped), such as ampscaler.SpikeGuard), got "
-                f"{type(guard).__name__}."
-            )
-        if any(existing is guard for existing in self._guards):
-            raise InvalidConfigError(f"{guard!r} is added to this scaler already.")
-        self._guards.append(guard)
-        self.active = True
-        self.changed()
-        return guard
-
-    def adopt(self, plugin: object) -> bool:
-        """Add ``plugin`` if it is a guard."""
         if not isinstance(plugin, Guard):
             return False
-        self.add(plugin)
+        if any(existing is plugin for existing in self._guards):
+            raise InvalidConfigError(f"{plugin!r} is added to this scaler already.")
+        self._guards.append(plugin)
+        self.active = True
+        self.changed()
         return True
 
     def release(self, plugin: object) -> bool:
         """Remove ``plugin`` if it is one of the guards."""
-        if not any(existing is plugin for existing in self._guards):
+        kept = [existing for existing in self._guards if existing is not plugin]
+        if len(kept) == len(self._guards):
             return False
-        self._guards = [existing for existing in self._guards if existing is not plugin]
-        self.active = bool(self._guards)
+        self._guards, self.active = kept, bool(kept)
         self.changed()
         return True
 
@@ -435,10 +406,8 @@ class GuardSet(Hook):
             if loss is not None:
                 loss = packed[1] / ranks
         measured = StepMeasurements(check.record.optimizer, norm, loss)
-        flags = [guard.check(measured).to(device, torch.float32) for guard in self._guards]
-        if not flags:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return functools.reduce(torch.maximum, flags)
+        flags = (guard.check(measured).to(device, torch.float32) for guard in self._guards)
+        return functools.reduce(torch.maximum, flags)  # due only while it holds a guard
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
         """Tell every guard whether the iteration was skipped (a 0-dim bool tensor)."""
@@ -480,13 +449,13 @@ class GuardSet(Hook):
             raise InvalidStateDictError(
                 f"guards must be the JSON list that state_dict() writes, got {text!r:.80}."
             )
-        loads = []
-        for guard, state in zip(self._guards, states, strict=False):
-            load = getattr(guard, "load_state_dict", None)
-            trial = getattr(copy.deepcopy(guard), "load_state_dict", None)
-            if load is not None and trial is not None:
-                trial(state)  # on a copy: raises if the state does not fit the guard
-                loads.append((load, state))
+        loads = [
+            (guard, state)
+            for guard, state in zip(self._guards, states, strict=False)
+            if hasattr(guard, "load_state_dict")
+        ]
+        for guard, state in loads:  # on copies: raises if a state does not fit its guard
+            copy.deepcopy(guard).load_state_dict(state)
         dropped = len(states) - len(self._guards)
         if dropped > 0:
             kinds = ", ".join(str(state.get("kind")) for state in states[len(self._guards) :])
@@ -499,8 +468,8 @@ class GuardSet(Hook):
             )
 
         def restore() -> None:
-            for load, state in loads:
-                load(state)
+            for guard, state in loads:
+                guard.load_state_dict(state)
 
         return restore
 

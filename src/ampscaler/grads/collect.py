@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import sys
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -96,7 +97,7 @@ def collect(
         TypeError: a parameter that is not a tensor.
         ValueError: a float16 gradient when ``allow_fp16`` is false (nothing is modified).
     """
-    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    by_key: defaultdict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     dtensor = _dtensor_type() if local else None
     try:
         for group in optimizer.param_groups:
@@ -108,11 +109,7 @@ def collect(
                     grad = grad.to_local()
                 if grad.is_sparse:
                     grad = _sparse_values(param, grad, allow_fp16)
-                key = (grad.device, grad.dtype)
-                bucket = by_key.get(key)
-                if bucket is None:
-                    bucket = by_key[key] = []
-                bucket.append(grad)
+                by_key[grad.device, grad.dtype].append(grad)
     except AttributeError:  # a parameter that is not a tensor: say which one
         for _ in iter_params(optimizer):
             pass

@@ -92,17 +92,13 @@ class Pow2Watch:
         self._version = scale._version
 
     def before_update(self) -> None:
-        """An ``update()`` is about to move the scale: if something wrote the scale since the
-        watch last knew it, that write is not followed (forget what is known)."""
-        if self._written_outside():
-            assert self._scale is not None
-            self.forget(self._scale)
-
-    def _written_outside(self) -> bool:
-        if self._scale is None:
-            return False
+        """An ``update()`` is about to move the scale (or :attr:`exact` is asked): if something
+        wrote the scale since the watch last knew it, that write is not followed (forget what
+        is known)."""
+        scale = self._scale
         # Traced code does not read version counters: there, assume a write (never wrong).
-        return torch.compiler.is_compiling() or self._scale._version != self._version
+        if scale is not None and (torch.compiler.is_compiling() or scale._version != self._version):
+            self.forget(scale)
 
     def _seen_now(self) -> None:
         if self._scale is not None and not torch.compiler.is_compiling():
@@ -143,16 +139,24 @@ class Pow2Watch:
 
     @property
     def exact(self) -> bool:
-        """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now."""
+        """Whether the scale is certainly ``2**e`` with ``e >= -126`` right now. After a move
+        the watch did not follow, the first ask starts copying the scale to the host without
+        waiting; what the copy holds is known once it has landed (no host sync)."""
         if not self._device_ok:
             return False
-        if self._written_outside():
-            assert self._scale is not None
-            self.forget(self._scale)
-        if self._forgotten is not None:
-            self._copy(self._forgotten)
+        self.before_update()
+        forgotten = self._forgotten
+        if forgotten is not None:  # copy it to the host without waiting (adopted once landed)
+            self._pending = HostCopy(forgotten, self._updates)
+            self._pending_version = forgotten._version
             self._forgotten = None
-        self._adopt_landed()
+        pending = self._pending
+        if pending is not None and pending.landed():
+            self._pending = None
+            since = self._lowers and self._updates > pending.at  # held at the floor since
+            self._learn(float(pending.tolist()), updated=since)
+            if self._scale is not None:  # writes after the copy are still unseen
+                self._version = self._pending_version
         return self._exact
 
     def _learn(self, value: float, updated: bool) -> None:
@@ -161,17 +165,3 @@ class Pow2Watch:
         self._pow2 = self._keeps and exponent is not None
         normal = exponent is not None and exponent >= LOWEST_EXACT
         self._exact = self._pow2 and (updated or normal)
-
-    def _copy(self, scale: torch.Tensor) -> None:
-        """Start copying ``scale`` to the host without waiting (adopted once landed)."""
-        self._pending = HostCopy(scale, self._updates)
-        self._pending_version = scale._version
-
-    def _adopt_landed(self) -> None:
-        pending = self._pending
-        if pending is not None and pending.landed():
-            self._pending = None
-            since = self._lowers and self._updates > pending.at  # held at the floor since
-            self._learn(float(pending.tolist()), updated=since)
-            if self._scale is not None:  # writes after the copy are still unseen
-                self._version = self._pending_version

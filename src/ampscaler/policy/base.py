@@ -75,6 +75,7 @@ __all__ = [
     "TorchRule",
     "adjusted",
     "check_scale",
+    "check_switch",
     "float32_value",
     "pow2_exponent",
     "require_int",
@@ -116,19 +117,34 @@ def require_int(
     maximum: int | None = None,
     *,
     integral_floats: bool = False,
+    meaning: str = "",
 ) -> int:
     """``value`` as an int if it is an integer (numpy integers and one-element integer tensors
     included, as torch accepts them; with ``integral_floats`` also floats such as ``3.0``)
-    within ``[minimum, maximum]``, else :class:`InvalidConfigError` naming ``name``."""
+    within ``[minimum, maximum]``, else :class:`InvalidConfigError` naming ``name`` (and
+    ``meaning``, what the value is for, after the range)."""
     number = _held(value)
     if integral_floats and isinstance(number, float) and number.is_integer():
         number = int(number)
     within = f">= {minimum}" if maximum is None else f">= {minimum} and <= {_shown(maximum)}"
+    within += meaning
     if isinstance(number, bool) or not isinstance(number, int):
         raise InvalidConfigError(f"{name} must be an int {within}, got {value!r}.")
     if number < minimum or (maximum is not None and number > maximum):
         raise InvalidConfigError(f"{name} must be {within}, got {value!r}.")
     return number
+
+
+def check_switch(name: str, value: object) -> bool:
+    """An on/off setting: ``True`` or ``False``.
+
+    Raises:
+        InvalidConfigError: anything else (a typo such as ``flat_grads="yes"`` must not pass
+            as true).
+    """
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{name} must be True or False, got {value!r}.")
+    return value
 
 
 def _shown(number: int) -> str:
@@ -182,12 +198,8 @@ def check_scale(
     low = LOWEST_SCALE if min_scale is None else max(float32_value(min_scale), LOWEST_SCALE)
     high = math.inf if max_scale is None else float32_value(max_scale)
     if not (math.isfinite(stored) and low <= stored <= high):
-        if min_scale is None and max_scale is None:
-            within = ""
-        else:
-            within = (
-                f" and within [min_scale, max_scale] = [{min_scale or 0}, {max_scale or math.inf}]"
-            )
+        bounds = f"[min_scale, max_scale] = [{min_scale or 0}, {max_scale or math.inf}]"
+        within = "" if (min_scale, max_scale) == (None, None) else f" and within {bounds}"
         raise InvalidConfigError(
             f"{name} must be a number > 0 that is finite as a float32 and at least 2**-126 "
             f"(float32's smallest normal number: below it unscaling is not exact){within}, "

@@ -54,7 +54,9 @@ from .base import (
     Policy,
     PolicyState,
     PowerOfTwo,
+    adjusted,
     check_scale,
+    check_switch,
     float32_value,
     pow2_exponent,
     require_int,
@@ -80,12 +82,6 @@ class ScaleState(NamedTuple):
     scale: torch.Tensor
     growth_tracker: torch.Tensor
     hysteresis_left: torch.Tensor
-
-
-def saved_int(name: str, value: object, minimum: int, maximum: int) -> int:
-    """A counter from a checkpoint: torch accepts ``3``, ``3.0``, ``np.int64(3)``,
-    ``tensor(3)``; it must fit the tensor it is loaded into."""
-    return require_int(name, value, minimum, maximum, integral_floats=True)
 
 
 def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
@@ -159,12 +155,8 @@ class ScalePolicy(Policy):
             raise InvalidConfigError(
                 f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})."
             )
-        if not isinstance(self.backoff_on_nonfinite_loss, bool):
-            raise InvalidConfigError(
-                "backoff_on_nonfinite_loss must be True or False, got "
-                f"{self.backoff_on_nonfinite_loss!r}."
-            )
-        values = (growth, backoff, interval, hysteresis, *bounds, self.backoff_on_nonfinite_loss)
+        backoff_on_loss = check_switch("backoff_on_nonfinite_loss", self.backoff_on_nonfinite_loss)
+        values = (growth, backoff, interval, hysteresis, *bounds, backoff_on_loss)
         for field, value in zip(dataclasses.fields(self), values, strict=True):
             object.__setattr__(self, field.name, value)  # plain Python numbers from here on
         # Whether this is torch's own rule, which torch's fused kernel applies (asked at every
@@ -211,19 +203,14 @@ class ScalePolicy(Policy):
         least ``2**-126``, as the pseudo-code says (:meth:`update_` leaves that clamp to the
         scaler, which holds every policy's scale there).
 
-        With torch's rule (``hysteresis=1``, no bounds) and a float32 ``found_inf``, the
-        transition is torch's own fused kernel ``torch._amp_update_scale_`` run on copies of the
-        state: three small device ops instead of about fifteen, with identical results.
+        This is :meth:`update_` run on copies of the state (:func:`~ampscaler.policy.adjusted`),
+        then the floor: with torch's rule (``hysteresis=1``, no bounds) and a float32
+        ``found_inf``, torch's own fused kernel ``torch._amp_update_scale_``, with the same
+        results as the branch-free rule.
         """
-        live = _scale_state(state)
-        if self._torch_kernel and found_inf.dtype == torch.float32:
-            tracker = live.growth_tracker.clone()
-            moved = ScaleState(live.scale.clone(), tracker, live.hysteresis_left)
-            self.update_(moved, found_inf)
-            moved.scale.clamp_(min=LOWEST_SCALE)
-            return moved
-        moved = self._moved(live, found_inf)
-        return moved._replace(scale=moved.scale.clamp_min(LOWEST_SCALE))
+        moved = adjusted(self, _scale_state(state), found_inf)
+        moved.scale.clamp_(min=LOWEST_SCALE)
+        return _scale_state(moved)
 
     def _moved(self, live: ScaleState, found_inf: torch.Tensor) -> ScaleState:
         """The rule written with ``torch.where``, without the floor at ``2**-126`` (which
