@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
@@ -161,9 +161,10 @@ def _known_overflow(record: OptimizerRecord) -> bool | None:
     return bool(outcome._found_inf)
 
 
-@dataclass
 class Iteration:
-    """One iteration's records, losses and outcome (module docstring).
+    """One iteration's records, losses and outcome (module docstring). A plain class: the
+    values an iteration may never set are class attributes, so that the new iteration every
+    ``update()`` starts makes its four containers and nothing else.
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
@@ -194,8 +195,8 @@ class Iteration:
             ``(work, verdict, agreed flag)`` (:class:`~ampscaler.distributed.RankAgreement`).
     """
 
-    records: dict[int, OptimizerRecord] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)
+    records: dict[int, OptimizerRecord]
+    losses: list[torch.Tensor]
     scale: torch.Tensor | None = None
     start_scale: torch.Tensor | None = None
     loss_nonfinite: torch.Tensor | None = None
@@ -207,8 +208,14 @@ class Iteration:
     losses_summed: bool = False  # a long accumulation's losses were summed into one
     measured: torch.Tensor | None = None
     by_policy: bool = True
-    notes: dict[str, Any] = field(default_factory=dict)
-    launched: list[Any] = field(default_factory=list)
+    notes: dict[str, Any]
+    launched: list[Any]
+
+    def __init__(self) -> None:
+        self.records = {}
+        self.losses = []
+        self.notes = {}
+        self.launched = []
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
@@ -292,15 +299,17 @@ class Iteration:
         state["launched"] = []
         return state
 
-    def let_go_of_losses(self, clean: bool) -> None:
-        """At ``update()``: the iteration is kept for its report until the next one ends, and
-        must not hold the autograd graph behind the losses. A ``clean`` iteration (known on
-        the host to have overflowed nowhere: no skip's cause will be asked) drops them, with
-        no device work; any other keeps them detached."""
+    def following(self, clean: bool | None) -> Iteration:
+        """At ``update()``: the iteration that follows this one. This one is kept for its
+        report until the next one ends, and must not hold the autograd graph behind the
+        losses: a ``clean`` one (known on the host to have overflowed nowhere: no skip's cause
+        will be asked) drops them, with no device work; any other keeps them detached; ``None``
+        (under ``torch.compile``, where ``scale()`` kept them detached) leaves them."""
         if clean:
             self.losses.clear()
-        else:
+        elif clean is not None:
             self.losses[:] = [loss.detach() for loss in self.losses]
+        return Iteration()
 
     def loss(self) -> torch.Tensor | None:
         """The sum of the iteration's losses so far, unscaled (on the device; ``None`` when
@@ -366,9 +375,13 @@ class Iteration:
                 continue  # not checked: not in the iteration's flag
             flags.append(flag)
             total = flag if total is None else total + flag
-            if known is not None:
-                nonfinite = _known_overflow(record)
-                known = None if nonfinite is None else known or nonfinite
+            if known is not None:  # _known_overflow(record), without a frame per record
+                outcome = record.outcome
+                nonfinite = record.known_overflow if outcome is None else outcome._found_inf
+                if nonfinite is None or isinstance(nonfinite, torch.Tensor):
+                    known = None  # a flag still on the device
+                else:
+                    known = known or nonfinite
         return flags, total, known, spiked
 
     def overflow_known(self) -> bool | None:

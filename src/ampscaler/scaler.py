@@ -150,6 +150,10 @@ def _scale_nested(
     return scaled(outputs)
 
 
+#: Whether dynamo is tracing the caller (its own test: a plain call returns ``False`` at once,
+#: and dynamo reads it as ``True`` while tracing; ``update()`` asks it on every call).
+_compiling = torch.compiler.is_dynamo_compiling
+
 #: Whether this build of torch has torch.distributed (it cannot change while running).
 _DISTRIBUTED = torch.distributed.is_available()
 
@@ -438,7 +442,7 @@ class GradScaler(TorchPrivateNames):
 
     def _keep_loss(self, loss: torch.Tensor, compiling: bool) -> None:
         # Eagerly the loss is kept as given and let go of at update() (Iteration.
-        # let_go_of_losses); a compiled step keeps it detached: one path for every step.
+        # following); a compiled step keeps it detached: one path for every step.
         kept = loss.detach() if compiling else loss
         iteration = self._iteration
         iteration.keep_loss(kept, flag=self._agreement.flags_losses)
@@ -699,60 +703,64 @@ class GradScaler(TorchPrivateNames):
         """
         if not self._enabled:
             return
-        compiling = torch.compiler.is_compiling()
+        compiling = _compiling()
         hooks = self._hooks
         if hooks.before_update and compiling:
             _update_eagerly(self, new_scale)  # a graph break: a measurement's schedule is Python
             return
-        live = self._state.require("update")
         iteration = self._iteration
         # found_inf > 0 iff any overflowed; overflowed: whether, where the host knows it
         flags, found_inf, overflowed, spiked = self._agreement.flags(iteration)
-        if new_scale is not None:
-            self._set_scale(new_scale, iteration, found_inf, spiked, overflowed, live, compiling)
-            return
-        if found_inf is None:
-            iteration.refuse_unchecked()
-        if compiling and self._defers_update():
+        iteration.found_inf, iteration.spiked = found_inf, spiked
+        if new_scale is not None or found_inf is None:
+            live = self._set_scale(new_scale, iteration)
+            if live is None:  # nothing stepped: nothing to count
+                return
+        elif compiling and self._defers_update():
+            live = self._state.require("update")
             self._state.defer(flags)
-            # The live scale still holds the old value until the update is applied.
-            self._end(iteration, found_inf, live.scale, None, live, None, compiling)
-            return
-        for hook in hooks.before_update:
-            hook.before_update(iteration, live)
-        old_scale = self._state.advance(
-            found_inf, spiked, iteration.measured, iteration.cause_flag, overflowed,
-            iteration.start_scale, compiling,
-        )  # fmt: skip
-        if not compiling:
-            self._agreement.moved()  # every rank moved alike: no new fingerprint
-        self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
+            iteration.scale = live.scale  # the old value, until the update is applied
+        else:
+            for hook in hooks.before_update:
+                hook.before_update(iteration, self._state.require("update"))
+            live = self._state.advance(iteration, overflowed, compiling)
+            if not compiling:
+                self._agreement.moved()  # every rank moved alike: no new fingerprint
+        # The iteration ends (a compiled scale() kept the losses detached: nothing to branch on).
+        iteration.new_scale = live.scale
+        clean = None if compiling else overflowed is False
+        self._finished, self._iteration = iteration, iteration.following(clean)
+        if self._bf16.active:
+            self._bf16.stop()
+        for hook in hooks.after_update:
+            hook.after_update(iteration, live, compiling)
+        if not compiling:  # periodic hooks count eager updates only
+            hooks.due_in -= 1
+            if hooks.due_in <= 0:
+                hooks.run_periodic(iteration, live)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
 
     def _set_scale(
-        self,
-        new_scale: float | torch.Tensor,
-        iteration: Iteration,
-        found_inf: torch.Tensor | None,
-        spiked: torch.Tensor | None,
-        overflowed: bool | None,
-        live: LiveState,
-        compiling: bool,
-    ) -> None:
-        """``update(new_scale)``: validate it, write it by the policy, end the iteration (a
-        host sync for a tensor ``new_scale``)."""
+        self, new_scale: float | torch.Tensor | None, iteration: Iteration
+    ) -> LiveState | None:
+        """``update(new_scale)``: validate it, write it by the policy; the live state, or
+        ``None`` where nothing stepped (the iteration is then dropped, not counted). A host
+        sync for a tensor ``new_scale``. Without ``new_scale`` (an iteration that checked no
+        optimizer): refuse."""
+        live = self._state.require("update")
+        if new_scale is None:
+            iteration.refuse_unchecked()
         value = new_scale_value(new_scale, self._state.policy)
         iteration.by_policy = False
         for hook in self._hooks.before_update:
             hook.before_update(iteration, live)
-        old_scale = self._state.set_scale(value, found_inf, spiked)
-        if found_inf is None:  # nothing stepped: nothing to count
+        found_inf = iteration.found_inf
+        iteration.scale = self._state.set_scale(value, found_inf, iteration.spiked)
+        if found_inf is None:
             self._iteration = Iteration()
-            return
-        self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
-        if self._max_consecutive_skips is not None:
-            self._check_persistent_overflow(live, self._max_consecutive_skips)
+            return None
+        return live
 
     def _defers_update(self) -> bool:
         """Whether ``update()`` under ``torch.compile`` hands its work to the next read of the
@@ -763,31 +771,6 @@ class GradScaler(TorchPrivateNames):
             and not self._hooks.after_update
             and not self._state.policy.holds_on_nonfinite_loss
         )
-
-    def _end(
-        self,
-        iteration: Iteration,
-        found_inf: torch.Tensor,
-        old_scale: torch.Tensor,
-        spiked: torch.Tensor | None,
-        live: LiveState,
-        overflowed: bool | None,
-        compiling: bool,
-    ) -> None:
-        if not compiling:  # a compiled scale() kept them detached; nothing to branch on
-            iteration.let_go_of_losses(clean=overflowed is False)
-        iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
-        iteration.new_scale = live.scale
-        self._finished, self._iteration = iteration, Iteration()
-        if self._bf16.active:
-            self._bf16.stop()
-        hooks = self._hooks
-        for hook in hooks.after_update:
-            hook.after_update(iteration, live, compiling)
-        if not compiling:  # periodic hooks count eager updates only
-            hooks.due_in -= 1
-            if hooks.due_in <= 0:
-                hooks.run_periodic(iteration, live)
 
     def _check_persistent_overflow(self, live: LiveState, limit: int) -> None:
         in_a_row = int(live.counters.consecutive_skips.item())

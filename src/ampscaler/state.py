@@ -23,7 +23,9 @@ Example:
     >>> state = ScalerState(ScalePolicy(growth_interval=1), 8.0)
     >>> live = state.use(torch.device("cpu"))      # what scale() does
     >>> scale = live.scale
-    >>> _ = state.advance(torch.tensor(0.0))           # a clean iteration: the scale grows
+    >>> iteration = Iteration()
+    >>> iteration.found_inf = torch.tensor(0.0)        # a clean iteration
+    >>> _ = state.advance(iteration)                   # the scale grows
     >>> state.live.scale is scale, state.scale_value(), state.stats().growths
     (True, 16.0, 1)
 """
@@ -31,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -40,7 +42,7 @@ import torch
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
 from .hostcopy import read_values
-from .iteration import StepOutcome
+from .iteration import Iteration, StepOutcome
 from .policy import LOWEST_SCALE, Policy, PolicyState, adjusted, float32_value
 from .policy.derived import comparable, power_of_two, with_rule
 
@@ -504,49 +506,47 @@ class ScalerState:
     # ------------------------------------------------------------------ writes
 
     def advance(
-        self,
-        found_inf: torch.Tensor,
-        spiked: torch.Tensor | None = None,
-        measured: torch.Tensor | None = None,
-        loss_nonfinite: Callable[[], torch.Tensor | None] | None = None,
-        overflowed: bool | None = None,
-        start_scale: torch.Tensor | None = None,
-        compiling: bool | None = None,
-    ) -> torch.Tensor:
-        """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
-        does not see; and what a measuring policy ``measured``): move the state by the policy,
-        hold the scale at the floor, count the iteration.
+        self, iteration: Iteration, overflowed: bool | None = None, compiling: bool = False
+    ) -> LiveState:
+        """``iteration`` ended with ``iteration.found_inf`` (and a guard's ``spiked``, which the
+        policy does not see; and what a measuring policy ``measured``): move the state by the
+        policy, hold the scale at the floor, count the iteration. Sets ``iteration.scale`` to a
+        copy of the scale it started from (``iteration.start_scale``, the copy its unscale made,
+        or a new one) and returns the live state.
 
         A policy that holds on a non-finite loss
         (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
-        does not move where the flag ``loss_nonfinite()`` gives is > 0 and the step was
-        skipped (asked for only where the host does not know that it stepped: ``overflowed``
-        is whether ``found_inf > 0``, where the host knows it). Whatever the policy, the scale
-        never ends below :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``): one small
-        device op, the same for every update, that the host needs to know nothing for. Returns
-        a copy of the scale the iteration started from: ``start_scale`` (one made already, in
-        any float dtype) or a new one. ``compiling``: whether under ``torch.compile``, where
-        the caller knows it (asked otherwise). No host sync."""
+        does not move where the iteration's loss flag is > 0 and the step was skipped (made
+        only where the host does not know that it stepped: ``overflowed`` is whether
+        ``found_inf > 0``, where the host knows it). Whatever the policy, the scale never ends
+        below :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``): one small device op, the
+        same for every update, that the host needs to know nothing for. ``compiling``: whether
+        under ``torch.compile``. No host sync."""
         if self._deferred:
             self._settle_masked()
         live = self._live
         assert live is not None, "the state lives on a device once scale() has run"
-        if self._watch is not None:
-            self._watch.before_update()
-        old = live.scale.clone() if start_scale is None else start_scale
+        found_inf = iteration.found_inf
+        assert found_inf is not None, "update() refuses an iteration without a check"
+        watch = self._watch
+        if watch is not None:
+            watch.before_update()
+        old = iteration.start_scale
+        if old is None:
+            old = live.scale.clone()
+        iteration.scale = old
         # A policy holds where a non-finite loss skipped the step; a step the host knows went
         # through (no overflow) has nothing to hold, and the loss flag is not made.
-        holds = self._holds and overflowed is not False
-        flag = loss_nonfinite() if loss_nonfinite is not None and holds else None
-        if flag is None:
-            self._policy.update_(live.tensors, found_inf, measured)
+        hold = iteration.cause_flag() if self._holds and overflowed is not False else None
+        if hold is None:
+            self._policy.update_(live.tensors, found_inf, iteration.measured)
         else:
-            self._update_unless(flag, live, found_inf, measured)
+            self._update_unless(hold, live, found_inf, iteration.measured)
         live.scale.clamp_min_(live.floor)  # the floor
-        live.counters.record(found_inf, old, spiked, compiling)
-        if self._watch is not None:
-            self._watch.updated(live.scale)
-        return old
+        live.counters.record(found_inf, old, iteration.spiked, compiling)
+        if watch is not None:
+            watch.updated(live.scale)
+        return live
 
     def _update_unless(
         self,
