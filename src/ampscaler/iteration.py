@@ -22,14 +22,19 @@ Example:
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
 
 from .errors import ScalerUsageError
+from .hooks import Veto, VetoCause
+from .hostcopy import read_values
 
 __all__ = [
+    "NO_VETOES",
     "Attempt",
     "Iteration",
     "OptState",
@@ -40,6 +45,10 @@ __all__ = [
 ]
 
 SkipReason = Literal["nonfinite", "spike"]
+
+#: An iteration's vetoes before any hook vetoed (read-only: :meth:`Iteration.veto` makes a new
+#: mapping).
+NO_VETOES: Mapping[VetoCause, Veto] = MappingProxyType({})
 
 #: Losses kept per iteration before they are summed into one (a long accumulation).
 _KEEP_LOSSES = 16
@@ -189,6 +198,9 @@ class Iteration:
             measured).
         by_policy: whether ``update()`` moves the scale by the policy (``False`` for
             ``update(new_scale)``).
+        vetoes: the hooks' vetoes of its steps (:class:`~ampscaler.hooks.Veto`), one by cause,
+            each flag the largest of that cause's over the optimizers (empty: no hook said
+            anything).
         notes: what hooks derived from the iteration, by hook (an overflow report, a trace):
             kept with it, dropped with it.
         launched: the rank agreement's reductions of this iteration not yet waited for, as
@@ -208,6 +220,7 @@ class Iteration:
     losses_summed: bool = False  # a long accumulation's losses were summed into one
     measured: torch.Tensor | None = None
     by_policy: bool = True
+    vetoes: Mapping[VetoCause, Veto] = NO_VETOES
     notes: dict[str, Any]
     launched: list[Any]
 
@@ -233,6 +246,32 @@ class Iteration:
             )
         made = self.records[id(optimizer)] = OptimizerRecord(optimizer)
         return made
+
+    def veto(self, record: OptimizerRecord, said: Veto | torch.Tensor) -> None:
+        """A hook vetoed ``record``'s step (``said``; a bare flag is a guard's veto): join its
+        flag into the record's (what the step decides on) and into the iteration's veto of its
+        cause (what is counted, reported, and replayed on where every veto that fired says
+        ``replay``). A device op where a flag is joined to another; no host sync."""
+        veto = said if isinstance(said, Veto) else Veto(said)
+        flag = veto.flag
+        record.spike = flag if record.spike is None else torch.maximum(record.spike, flag)
+        earlier = self.vetoes.get(veto.cause)
+        if earlier is not None:
+            joined = torch.maximum(earlier.flag, flag)
+            veto = Veto(joined, veto.cause, earlier.replay and veto.replay)
+        self.vetoes = {**self.vetoes, veto.cause: veto}
+
+    def vetoed_for_replay(self) -> bool:
+        """Whether a veto skipped a step of this iteration and every veto that fired says
+        ``replay`` (:meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` runs the batch
+        again). Reads the flags (one host copy) only where a step was skipped."""
+        vetoes = list(self.vetoes.values())
+        records = self.records.values()
+        if not vetoes or not any(r.outcome is not None and r.outcome.skipped for r in records):
+            return False
+        values = read_values([veto.flag for veto in vetoes])
+        fired = [veto for veto, value in zip(vetoes, values, strict=True) if value > 0]
+        return bool(fired) and all(veto.replay for veto in fired)
 
     def require_unstarted(self, funcname: str) -> None:
         """Raise if the iteration has begun: a loss that can carry gradients was scaled (one

@@ -52,13 +52,12 @@ from .distributed import (
     warn_if_world_came_later,
 )
 from .errors import PersistentOverflowError, ScalerUsageError
-from .flushed import warn_flushed
 from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
 from .guards import GuardSet
-from .hooks import FLUSH_VETO, Check, Hook, HookList, MeterHook
+from .hooks import Check, Hook, HookList, MeterHook, VetoCause
 from .hostcopy import read_values
 from .iteration import (
     Attempt,
@@ -149,10 +148,6 @@ def _scale_nested(
 
     return scaled(outputs)
 
-
-#: Whether dynamo is tracing the caller (its own test: a plain call returns ``False`` at once,
-#: and dynamo reads it as ``True`` while tracing; ``update()`` asks it on every call).
-_compiling = torch.compiler.is_dynamo_compiling
 
 #: Whether this build of torch has torch.distributed (it cannot change while running).
 _DISTRIBUTED = torch.distributed.is_available()
@@ -379,7 +374,6 @@ class GradScaler(TorchPrivateNames):
         # Whether the last batch under attempts() stepped at a scale the policy set (its first
         # or second try): the scale its next batch starts from has carried a batch.
         self._last_batch_clean = False
-        self._warned_flushed = False  # metrics() said that every measured gradient flushed
         self._hooks = HookList()
         self._observers = self._hooks.add(Monitor())  # reports, sinks...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
@@ -543,9 +537,9 @@ class GradScaler(TorchPrivateNames):
         for hook in self._hooks.after_check:
             unscaled_by = multiplier * live.scale
             check = Check(iteration, record, groups, unscaled_by, live, self._agreement.ranks)
-            flag = hook.after_check(check)
-            if flag is not None:
-                record.spike = flag if record.spike is None else torch.maximum(record.spike, flag)
+            veto = hook.after_check(check)
+            if veto is not None:
+                iteration.veto(record, veto)
         self._agreement.agree(record, found_inf, iteration, live.device, self._settings)
         iteration.scale = live.scale
 
@@ -703,7 +697,9 @@ class GradScaler(TorchPrivateNames):
         """
         if not self._enabled:
             return
-        compiling = _compiling()
+        # Dynamo's own test (one frame, where is_compiling() takes two); named through `torch`,
+        # so that dynamo, which skips a frame that names nothing of torch's, traces this one.
+        compiling = torch.compiler.is_dynamo_compiling()
         hooks = self._hooks
         if hooks.before_update and compiling:
             _update_eagerly(self, new_scale)  # a graph break: a measurement's schedule is Python
@@ -756,7 +752,7 @@ class GradScaler(TorchPrivateNames):
         for hook in self._hooks.before_update:
             hook.before_update(iteration, live)
         found_inf = iteration.found_inf
-        iteration.scale = self._state.set_scale(value, found_inf, iteration.spiked)
+        iteration.scale = self._state.set_scale(value, found_inf, iteration.vetoes)
         if found_inf is None:
             self._iteration = Iteration()
             return None
@@ -817,10 +813,12 @@ class GradScaler(TorchPrivateNames):
         and otherwise, while the scale is still a guess (the first batch, and after a batch
         that needed more), at scales that bisect in binades down to 1, the last try at 1
         (:func:`~ampscaler.replay.retry_scale`): a warm-up from ``2**16`` to a ceiling of
-        ``2**7`` loses no batch at the default ``max_attempts``. A try whose step a measuring
-        policy's meter vetoed because every measured gradient flushed to zero
-        (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss) runs again
-        within ``max_attempts`` at the scale the policy raised it to; nothing is rewound.
+        ``2**7`` loses no batch at the default ``max_attempts``. A try whose steps a hook vetoed
+        with a :class:`~ampscaler.hooks.Veto` that says ``replay`` (and no other veto fired)
+        runs again within ``max_attempts`` at the scale the update left; nothing is rewound: a
+        measuring policy's meter vetoes so where every measured gradient flushed to zero
+        (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss), and the
+        policy raised the scale.
         Accumulation over micro-batches, several optimizers, fused optimizers and a compiled
         step inside the body all work; checkpoints go between batches.
 
@@ -888,8 +886,8 @@ class GradScaler(TorchPrivateNames):
                 if last:
                     return  # max_attempts=1, or flushed to the last: nothing to decide
                 # Stepped, known on the host (the common case): nothing to read.
-                clean = started.overflow_known() is False and FLUSH_VETO not in started.notes
-                if not clean and self._flushed(started):  # again, where the policy grew to
+                clean = started.overflow_known() is False and not started.vetoes
+                if not clean and started.vetoed_for_replay():  # again, at the scale it left
                     self._state.count_replay()
                     continue
                 if clean or not self._overflowed(started):
@@ -924,19 +922,6 @@ class GradScaler(TorchPrivateNames):
                 "once per try (after step() for every optimizer), so that each try is one "
                 "iteration the scaler can decide on."
             )
-
-    def _flushed(self, iteration: Iteration) -> bool:
-        """Whether a measuring policy's meter vetoed ``iteration``'s steps because every
-        measured gradient flushed to zero (:class:`~ampscaler.hooks.MeterHook`). Reads its
-        flag only where a step was skipped (a plain step's outcome is known on the host; a
-        fused one's is read)."""
-        flag = iteration.notes.get(FLUSH_VETO)
-        if flag is None:  # not measured, or no meter that vetoes
-            return False
-        records = iteration.records.values()
-        if not any(record.outcome is not None and record.outcome.skipped for record in records):
-            return False
-        return bool(flag.item())
 
     def _overflowed(self, iteration: Iteration) -> bool:
         """Whether ``iteration`` was skipped because its scaled gradients overflowed (and not
@@ -1032,14 +1017,15 @@ class GradScaler(TorchPrivateNames):
         - ``scale``: the loss scale now (a float);
         - ``skipped``: 1 if the last iteration (the last ``update()``) skipped a step, else 0;
         - ``skip_cause``: why, as a number: 0 it stepped, 1 its scaled gradients overflowed
-          (the scale backed off), 2 a loss was already inf/NaN before scaling, 3 a guard
-          vetoed finite gradients, 4 a measuring policy's meter vetoed them because every
-          measured gradient flushed to zero before anything was measured (it would have
-          applied zeros; the scale grows, and :meth:`attempts` runs the batch again);
+          (the scale backed off), 2 a loss was already inf/NaN before scaling; a hook vetoed
+          finite gradients (:class:`~ampscaler.hooks.VetoCause`, the highest that fired): 3 a
+          guard, 4 a measuring policy's meter because every measured gradient flushed to zero
+          before anything was measured (it would have applied zeros; the scale grows, and
+          :meth:`attempts` runs the batch again);
         - ``steps``, ``skips``, ``replays``, ``growths``, ``backoffs``, ``spike_skips``,
-          ``consecutive_skips``: the running counts (:attr:`stats`; ``skips`` is
-          ``stats.skipped``; ``spike_skips`` counts every veto of finite gradients, cause 3
-          and 4);
+          ``flush_skips``, ``consecutive_skips``: the running counts (:attr:`stats`; ``skips``
+          is ``stats.skipped``; ``spike_skips`` counts the guards' vetoes, cause 3, and
+          ``flush_skips`` the meter's, cause 4);
         - ``flushed_measurements``, with a measuring policy (:class:`~ampscaler.HeadroomPolicy`):
           measured iterations whose every measured gradient was zero in float16 at their scale.
           The first time it reads a count above 0 it warns (a
@@ -1068,25 +1054,28 @@ class GradScaler(TorchPrivateNames):
         """
         live = self._state.live if self._enabled else None
         finished = self._finished
-        flushed: int | None = None
+        readings: dict[str, torch.Tensor] = {}
+        read_out: list[float] = []
         if live is None or finished is None:
             scale, stats, cause = self.get_scale(), self._state.stats(), 0
         else:
-            counted = getattr(live.tensors, "flushed", None)  # a measuring policy's count
-            veto = finished.notes.get(FLUSH_VETO)  # the meter's veto, where it could veto
-            extra = [t for t in (counted, veto) if t is not None]
+            for hook in self._hooks:
+                readings.update(hook.readings(live))
+            vetoes = finished.vetoes
             flags = finished.outcome_flags()
+            extra = [veto.flag for veto in vetoes.values()] + list(readings.values())
             read = read_values([live.scale, live.counters.values, flags, *extra])
             scale, stats = read[0], ScalerStats(*read[1])
             found, spike, loss = read[2]
-            cause = (2 if loss > 0 else 1) if found > 0 else (3 if spike > 0 else 0)
-            if veto is not None and cause == 3 and read[-1] > 0:
-                cause = 4  # every measured gradient flushed to zero
-            flushed = int(read[3]) if counted is not None else None
+            fired = [c for c, value in zip(vetoes, read[3:], strict=False) if value > 0]
+            cause = max(fired, default=VetoCause.GUARD) if spike > 0 else 0
+            if found > 0:
+                cause = 2 if loss > 0 else 1
+            read_out = read[3 + len(vetoes) :]
         values: dict[str, float | int] = {
             "scale": float(scale),
             "skipped": int(cause > 0),
-            "skip_cause": cause,
+            "skip_cause": int(cause),
             "steps": stats.steps,
             "skips": stats.skipped,
             "replays": stats.replays,
@@ -1094,12 +1083,12 @@ class GradScaler(TorchPrivateNames):
             "backoffs": stats.backoffs,
             "spike_skips": stats.spike_skips,
             "consecutive_skips": stats.consecutive_skips,
+            "flush_skips": stats.flush_skips,
         }
-        if flushed is not None:
-            values["flushed_measurements"] = flushed
-            if flushed and not self._warned_flushed:
-                self._warned_flushed = True
-                warn_flushed(float(scale), flushed)
+        heard = dict(zip(readings, read_out, strict=True))
+        for hook in self._hooks:
+            hook.heard(heard, float(scale))
+        values.update(heard)
         return {prefix + name: value for name, value in values.items()}
 
     @property
@@ -1186,7 +1175,8 @@ class GradScaler(TorchPrivateNames):
             return
         for model, prefix in self._watched:
             meter.watch(model, prefix)
-        self._hooks.add(MeterHook(meter, self._agreement))
+        hook = self._hooks.add(MeterHook(meter, self._agreement))
+        hook.warned = old is not None and old.warned
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled and self._iteration.records:
