@@ -558,7 +558,7 @@ class ScalerState:
             self._policy.update_(live.tensors, found_inf, iteration.measured)
         else:
             self._update_unless(hold, live, found_inf, iteration.measured)
-        live.scale.clamp_min_(live.floor)  # the floor
+        torch.clamp_min_(live.scale, live.floor)  # the floor (the function: a little faster)
         live.counters.record(found_inf, old, iteration.vetoes, compiling)
         if watch is not None:
             watch.updated(live.scale)
