@@ -338,18 +338,6 @@ class Iteration:
         state["launched"] = []
         return state
 
-    def following(self, clean: bool | None) -> Iteration:
-        """At ``update()``: the iteration that follows this one. This one is kept for its
-        report until the next one ends, and must not hold the autograd graph behind the
-        losses: a ``clean`` one (known on the host to have overflowed nowhere: no skip's cause
-        will be asked) drops them, with no device work; any other keeps them detached; ``None``
-        (under ``torch.compile``, where ``scale()`` kept them detached) leaves them."""
-        if clean:
-            self.losses.clear()
-        elif clean is not None:
-            self.losses[:] = [loss.detach() for loss in self.losses]
-        return Iteration()
-
     def loss(self) -> torch.Tensor | None:
         """The sum of the iteration's losses so far, unscaled (on the device; ``None`` when
         ``scale()`` kept none)."""

@@ -435,8 +435,8 @@ class GradScaler(TorchPrivateNames):
         return scaled
 
     def _keep_loss(self, loss: torch.Tensor, compiling: bool) -> None:
-        # Eagerly the loss is kept as given and let go of at update() (Iteration.
-        # following); a compiled step keeps it detached: one path for every step.
+        # Eagerly the loss is kept as given and let go of at update(); a compiled step keeps
+        # it detached: one path for every step.
         kept = loss.detach() if compiling else loss
         iteration = self._iteration
         iteration.keep_loss(kept, flag=self._agreement.flags_losses)
@@ -722,10 +722,17 @@ class GradScaler(TorchPrivateNames):
             live = self._state.advance(iteration, overflowed, compiling)
             if not compiling:
                 self._agreement.moved()  # every rank moved alike: no new fingerprint
-        # The iteration ends (a compiled scale() kept the losses detached: nothing to branch on).
+        # The iteration ends. It is kept for its report until the next one ends, and must not
+        # hold the autograd graph behind its losses: a clean one (known on the host to have
+        # overflowed nowhere: no skip's cause will be asked) drops them, any other keeps them
+        # detached (a compiled scale() kept them detached: nothing to branch on).
+        if not compiling:
+            if overflowed is False:
+                iteration.losses.clear()
+            else:
+                iteration.losses[:] = [loss.detach() for loss in iteration.losses]
         iteration.new_scale = live.scale
-        clean = None if compiling else overflowed is False
-        self._finished, self._iteration = iteration, iteration.following(clean)
+        self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
             self._bf16.stop()
         for hook in hooks.after_update:
