@@ -315,7 +315,7 @@ class Iteration:
         return any(record.stage is OptState.STEPPED for record in self.records.values())
 
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
-        """Keep a loss given to ``scale()`` (as given, until :meth:`let_go_of_losses`; no
+        """Keep a loss given to ``scale()`` (as given, until ``update()`` lets go of it; no
         device work unless many are kept, when they are summed into one); with ``flag``, also
         fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops, a third
         for a loss of several elements and from the second loss on; no host sync)."""

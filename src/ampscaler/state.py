@@ -524,11 +524,11 @@ class ScalerState:
     def advance(
         self, iteration: Iteration, overflowed: bool | None = None, compiling: bool = False
     ) -> LiveState:
-        """``iteration`` ended with ``iteration.found_inf`` (and a guard's ``spiked``, which the
+        """``iteration`` ended with ``iteration.found_inf`` (and its ``vetoes``, which the
         policy does not see; and what a measuring policy ``measured``): move the state by the
-        policy, hold the scale at the floor, count the iteration. Sets ``iteration.scale`` to a
-        copy of the scale it started from (``iteration.start_scale``, the copy its unscale made,
-        or a new one) and returns the live state.
+        policy, hold the scale at the floor, count the iteration (its vetoes by cause). Sets
+        ``iteration.scale`` to a copy of the scale it started from (``iteration.start_scale``,
+        the copy its unscale made, or a new one) and returns the live state.
 
         A policy that holds on a non-finite loss
         (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
