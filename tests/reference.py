@@ -90,7 +90,7 @@ class Reference:
         self.scale = f32(self.init_scale)
         self.budget = self.config.hysteresis
         names = ("steps", "skipped", "growths", "backoffs", "consecutive_skips", "spike_skips")
-        self.stats = dict.fromkeys((*names, "replays"), 0)
+        self.stats = dict.fromkeys((*names, "replays", "flush_skips"), 0)
 
     def adjust(self, overflow: bool) -> None:
         """Move the policy state only (no counters): one call of ``policy.adjust``."""

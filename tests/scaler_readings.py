@@ -31,6 +31,7 @@ def counts(scaler: GradScaler) -> ScalerStats:
         consecutive_skips=int(read["consecutive_skips"]),
         spike_skips=int(read["spike_skips"]),
         replays=int(read["replays"]),
+        flush_skips=int(read["flush_skips"]),
     )
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ampscaler import GradScaler, HeadroomPolicy
 from ampscaler.flushed import GradientsFlushedWarning
-from ampscaler.hooks import FLUSH_VETO
+from ampscaler.hooks import VetoCause
 from ampscaler.policy.headroom import FLUSH_JUMP
 
 TINY = 2.0**-24  # at scale 1 every gradient of the MLP below is zero in float16
@@ -67,7 +67,9 @@ def test_without_attempts_the_all_flushed_first_step_is_skipped_and_the_scale_ju
     assert scaler.get_scale() == FLUSH_JUMP
     with pytest.warns(GradientsFlushedWarning, match="skipped"):
         metrics = scaler.metrics("")
-    assert metrics["skip_cause"] == 4 and metrics["spike_skips"] == 1
+    # The flush veto has its own counter; spike_skips counts the guards' vetoes only.
+    assert metrics["skip_cause"] == 4 and metrics["flush_skips"] == 1
+    assert metrics["spike_skips"] == 0
     assert metrics["flushed_measurements"] == 1 and metrics["backoffs"] == 0
 
 
@@ -94,7 +96,8 @@ def test_attempts_runs_the_flushed_batch_again_where_its_gradients_show(fused: b
     assert [number for number, _ in tries[2:]] == [0, 0]
     with pytest.warns(GradientsFlushedWarning):
         metrics = scaler.metrics("")
-    assert metrics["replays"] == 1 and metrics["spike_skips"] == 1 and metrics["backoffs"] == 0
+    assert metrics["replays"] == 1 and metrics["flush_skips"] == 1 and metrics["backoffs"] == 0
+    assert metrics["spike_skips"] == 0
     if isinstance(opt, _Recording):  # every step it took had gradients to apply
         assert len(opt.nonzero) == 3 and min(opt.nonzero) > 0
     else:
@@ -113,7 +116,8 @@ def test_a_loss_that_shows_at_scale_1_is_not_vetoed() -> None:
             scaler.step(opt)
             scaler.update()
     assert len(opt.nonzero) == 2
-    assert scaler.metrics("")["spike_skips"] == 0
+    metrics = scaler.metrics("")
+    assert metrics["spike_skips"] == 0 and metrics["flush_skips"] == 0
 
 
 def test_gradients_that_stay_zero_at_the_highest_scale_are_not_vetoed_forever() -> None:
@@ -132,7 +136,8 @@ def test_gradients_that_stay_zero_at_the_highest_scale_are_not_vetoed_forever() 
     # At 1 vetoed; at 2**16 (the highest) the zeros are stepped.
     assert opt.nonzero == [0, 0, 0]
     with pytest.warns(GradientsFlushedWarning):
-        assert scaler.metrics("")["spike_skips"] == 1
+        metrics = scaler.metrics("")
+    assert metrics["flush_skips"] == 1 and metrics["spike_skips"] == 0
 
 
 def test_an_iteration_that_is_not_measured_gets_no_veto_flag() -> None:
@@ -146,7 +151,7 @@ def test_an_iteration_that_is_not_measured_gets_no_veto_flag() -> None:
         scaler.step(opt)
         scaler.update()
         assert scaler._finished is not None
-        flagged.append(FLUSH_VETO in scaler._finished.notes)
+        flagged.append(VetoCause.FLUSHED in scaler._finished.vetoes)
         opt.zero_grad()
     # Iteration 0 is measured; 1 and 2 are not: no flag, nothing to read.
     assert flagged == [True, False, False]

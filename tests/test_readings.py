@@ -12,7 +12,7 @@ import ampscaler
 
 KEYS = (
     "scale", "skipped", "skip_cause", "steps", "skips", "replays", "growths", "backoffs",
-    "spike_skips", "consecutive_skips",
+    "spike_skips", "consecutive_skips", "flush_skips",
 )  # fmt: skip
 
 

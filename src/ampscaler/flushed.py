@@ -3,9 +3,10 @@
 A :class:`~ampscaler.HeadroomPolicy` measures the largest scaled gradient of an iteration; when
 that is exactly 0, float16 flushed every gradient it measured to zero at the scale in force,
 and the optimizer stepped on zeros. The policy counts such iterations
-(``HeadroomState.flushed``) and grows the scale while it has measured nothing else;
-:meth:`GradScaler.metrics <ampscaler.GradScaler.metrics>` reports the count as
-``flushed_measurements`` and warns once, the first time it reads a count above 0.
+(``HeadroomState.flushed``) and grows the scale while it has measured nothing else; its meter
+hands the count to :meth:`GradScaler.metrics <ampscaler.GradScaler.metrics>`, which reports it
+as ``flushed_measurements``, and warns once, the first time ``metrics()`` reads a count above 0
+(:meth:`HeadroomMeter.heard <ampscaler.policy.meter.HeadroomMeter.heard>`).
 
 Example:
     >>> flushed_message(1.0, 3).splitlines()[0][:60]
@@ -16,7 +17,10 @@ from __future__ import annotations
 
 import warnings
 
-__all__ = ["GradientsFlushedWarning", "flushed_message", "warn_flushed"]
+__all__ = ["FLUSHED_READING", "GradientsFlushedWarning", "flushed_message", "warn_flushed"]
+
+#: The name ``metrics()`` reports the count under.
+FLUSHED_READING = "flushed_measurements"
 
 
 class GradientsFlushedWarning(RuntimeWarning):
@@ -37,6 +41,7 @@ def flushed_message(scale: float, count: int) -> str:
     )
 
 
-def warn_flushed(scale: float, count: int) -> None:
-    """Warn with :func:`flushed_message` (a :class:`GradientsFlushedWarning`)."""
-    warnings.warn(flushed_message(scale, count), GradientsFlushedWarning, stacklevel=3)
+def warn_flushed(scale: float, count: int, stacklevel: int = 2) -> None:
+    """Warn with :func:`flushed_message` (a :class:`GradientsFlushedWarning`), from the frame
+    ``stacklevel`` calls up (``2``: the caller's caller)."""
+    warnings.warn(flushed_message(scale, count), GradientsFlushedWarning, stacklevel=stacklevel)

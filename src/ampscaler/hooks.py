@@ -7,7 +7,7 @@ costs nothing::
 
     scale(loss)  ──▶ at_scale        every scale() call (eagerly)
     unscale_/step──▶ before_check    the optimizer's scaled gradients, before the check
-                 ──▶ after_check     the checked gradients; a returned flag > 0 vetoes the step
+                 ──▶ after_check     the checked gradients; a veto (flag > 0) skips the step
                  ──▶ after_step      the step's outcome (plain: known; fused: a device flag)
                  ──▶ on_skip         a step known on the host to have skipped for inf/NaN
     update()     ──▶ before_update   before the policy moves (a measurement goes in here)
@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from .policy.base import Meter
     from .state import LiveState
 
-__all__ = ["FLUSH_VETO", "MOMENTS", "Check", "Hook", "HookList", "MeterHook"]
+__all__ = ["MOMENTS", "Check", "Hook", "HookList", "MeterHook", "Veto", "VetoCause"]
 
 #: The moments of an iteration, in the order they come.
 MOMENTS = (
@@ -69,6 +70,48 @@ MOMENTS = (
     "after_update",
     "periodic",
 )
+
+
+class VetoCause(enum.IntEnum):
+    """Why a hook vetoed a step whose gradients were finite; the value is the number
+    :meth:`GradScaler.metrics <ampscaler.GradScaler.metrics>` reports as ``skip_cause``, and
+    each cause has its own counter there."""
+
+    #: A guard's skip rule (:class:`~ampscaler.SpikeGuard`, or a hook's own): counted in
+    #: ``spike_skips``.
+    GUARD = 3
+    #: Every gradient a measuring policy's meter measured flushed to zero before it measured
+    #: anything (the step would apply zeros): counted in ``flush_skips``.
+    FLUSHED = 4
+
+
+class Veto(NamedTuple):
+    """A hook's veto of one optimizer's step at :meth:`Hook.after_check`: the step is skipped
+    where ``flag > 0``, although its gradients are finite.
+
+    The core handles every veto alike: the step is skipped (a fused kernel is handed the flag),
+    the policy does not back off for it, it is counted under its ``cause``, and
+    :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` runs the batch again only where
+    every veto that fired says ``replay`` (the flag is read there, one host copy with the
+    rest). With a ``process_group`` the flag must be the same on every rank: a hook agrees
+    what it decides from over :attr:`Check.agreement` (a guard sums its statistics, a meter
+    max-reduces its measurement), so every rank skips, counts and replays alike.
+
+    Attributes:
+        flag: a 0-dim float32 tensor on the scale's device (``> 0``: skip).
+        cause: why (:class:`VetoCause`).
+        replay: whether running the batch again at the scale the update leaves can help (a
+            meter's flush veto: the policy grows; not a guard's: the batch itself is suspect).
+
+    Example:
+        >>> veto = Veto(torch.tensor(1.0), VetoCause.FLUSHED, replay=True)
+        >>> int(veto.cause), Veto(torch.tensor(0.0)).cause.name
+        (4, 'GUARD')
+    """
+
+    flag: torch.Tensor
+    cause: VetoCause = VetoCause.GUARD
+    replay: bool = False
 
 
 class Check(NamedTuple):
@@ -111,10 +154,11 @@ class Hook:
         """``record.optimizer``'s gradients are about to be checked; they are still scaled by
         ``scale`` (the live scale tensor)."""
 
-    def after_check(self, check: Check) -> torch.Tensor | None:
-        """An optimizer's gradients were checked (and unscaled). Return a flag (0-dim float32,
-        > 0: skip this step although the gradients are finite; the scale does not back off),
-        or ``None`` for no say. Must not read the device."""
+    def after_check(self, check: Check) -> Veto | torch.Tensor | None:
+        """An optimizer's gradients were checked (and unscaled). Return a :class:`Veto` (its
+        flag > 0: skip this step although the gradients are finite; the scale does not back
+        off), a bare flag for a guard's veto (``Veto(flag)``), or ``None`` for no say. Must not
+        read the device."""
         return None
 
     def after_step(self, iteration: Iteration, record: OptimizerRecord, live: LiveState) -> None:
@@ -160,6 +204,16 @@ class Hook:
     def save(self) -> dict[str, Any]:
         """What ``state_dict()`` holds for this hook (keys beside the scaler's own)."""
         return {}
+
+    def readings(self, live: LiveState) -> Mapping[str, torch.Tensor]:
+        """Values this hook adds to :meth:`GradScaler.metrics <ampscaler.GradScaler.metrics>`,
+        by name: 0-dim tensors on the state's device, read in the one host copy ``metrics()``
+        makes (an integer dtype reads as an ``int``)."""
+        return {}
+
+    def heard(self, values: Mapping[str, float], scale: float) -> None:
+        """``metrics()`` read ``values`` (every hook's :meth:`readings`, by name) at the scale
+        ``scale``: a hook that warns on what it reads does it here."""
 
     def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None] | None:
         """Validate this hook's part of ``state_dict``; returns what restores it (nothing
@@ -310,12 +364,6 @@ class HookList:
             self.add(hook)
 
 
-#: The key of :attr:`Iteration.notes <ampscaler.iteration.Iteration.notes>` under which
-#: :class:`MeterHook` keeps its veto of the iteration's steps (a 0-dim float32 flag, > 0:
-#: vetoed because every measured gradient flushed to zero), on iterations it could veto.
-FLUSH_VETO = "flush_veto"
-
-
 class MeterHook(Hook):
     """A measuring policy's meter (:class:`~ampscaler.policy.Meter`) as a hook: it starts at
     ``scale()``, measures before each check, hands the measurement to the policy before the
@@ -324,11 +372,11 @@ class MeterHook(Hook):
     A meter that has a ``veto(state, agreement)`` method (:class:`~ampscaler.policy.meter.
     HeadroomMeter`) is also asked after each check whether to skip the step although its
     gradients are finite: a step whose every measured gradient flushed to zero, taken before
-    the policy measured anything, would apply zero gradients. The flag (agreed across the
-    ranks by the meter) is kept in ``iteration.notes[FLUSH_VETO]``, the step is skipped
-    without backing the scale off, as a guard's veto is, and the policy grows on the
-    measurement; :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` runs the batch
-    again at the grown scale.
+    the policy measured anything, would apply zero gradients. Its :class:`Veto` (cause
+    :attr:`VetoCause.FLUSHED`, the flag agreed across the ranks by the meter) skips the step
+    without backing the scale off, as every veto does, and the policy grows on the
+    measurement; the veto says ``replay``, so :meth:`GradScaler.attempts
+    <ampscaler.GradScaler.attempts>` runs the batch again at the grown scale.
 
     Args:
         meter: the policy's meter.
@@ -342,6 +390,9 @@ class MeterHook(Hook):
         self._agreement = agreement
         self._veto: Callable[..., torch.Tensor | None] | None = getattr(meter, "veto", None)
         self._vetoing = self._may_veto()
+        #: Whether the meter warned on what ``metrics()`` read (once per scaler: a meter that
+        #: replaces this one, after a load or a replay's rewind, is handed it).
+        self.warned = False
 
     def _may_veto(self) -> bool:
         """Whether the meter may veto the iteration in progress (once it may not, it never
@@ -354,15 +405,11 @@ class MeterHook(Hook):
         due = super().moments()
         return due if self._vetoing else [m for m in due if m != "after_check"]
 
-    def after_check(self, check: Check) -> torch.Tensor | None:
+    def after_check(self, check: Check) -> Veto | None:
         """The meter's veto of this step (class docstring); no host sync."""
         assert self._veto is not None, "due only with a meter that vetoes"
         flag = self._veto(check.live.tensors, check.agreement)
-        if flag is not None:
-            notes = check.iteration.notes
-            earlier = notes.get(FLUSH_VETO)
-            notes[FLUSH_VETO] = flag if earlier is None else torch.maximum(earlier, flag)
-        return flag
+        return None if flag is None else Veto(flag, VetoCause.FLUSHED, replay=True)
 
     def at_scale(self, iteration: Iteration) -> None:
         self.meter.start()
@@ -393,6 +440,18 @@ class MeterHook(Hook):
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         self.meter.watch(model, prefix)
+
+    def readings(self, live: LiveState) -> Mapping[str, torch.Tensor]:
+        """The meter's values for ``metrics()`` (its ``readings(state)``, where it has one)."""
+        readings = getattr(self.meter, "readings", None)
+        return {} if readings is None else readings(live.tensors)
+
+    def heard(self, values: Mapping[str, float], scale: float) -> None:
+        """Let the meter warn on what ``metrics()`` read (its ``heard(values, scale)``, which
+        says whether it warned), once."""
+        heard = getattr(self.meter, "heard", None)
+        if heard is not None and not self.warned:
+            self.warned = bool(heard(values, scale))
 
     def __repr__(self) -> str:
         return f"MeterHook({self.meter!r})"

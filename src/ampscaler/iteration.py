@@ -22,14 +22,19 @@ Example:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
 
 from .errors import ScalerUsageError
+from .hooks import Veto, VetoCause
+from .hostcopy import read_values
 
 __all__ = [
+    "NO_VETOES",
     "Attempt",
     "Iteration",
     "OptState",
@@ -40,6 +45,10 @@ __all__ = [
 ]
 
 SkipReason = Literal["nonfinite", "spike"]
+
+#: An iteration's vetoes before any hook vetoed (read-only: :meth:`Iteration.veto` makes a new
+#: mapping).
+NO_VETOES: Mapping[VetoCause, Veto] = MappingProxyType({})
 
 #: Losses kept per iteration before they are summed into one (a long accumulation).
 _KEEP_LOSSES = 16
@@ -161,9 +170,10 @@ def _known_overflow(record: OptimizerRecord) -> bool | None:
     return bool(outcome._found_inf)
 
 
-@dataclass
 class Iteration:
-    """One iteration's records, losses and outcome (module docstring).
+    """One iteration's records, losses and outcome (module docstring). A plain class: the
+    values an iteration may never set are class attributes, so that the new iteration every
+    ``update()`` starts makes its four containers and nothing else.
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
@@ -188,14 +198,17 @@ class Iteration:
             measured).
         by_policy: whether ``update()`` moves the scale by the policy (``False`` for
             ``update(new_scale)``).
+        vetoes: the hooks' vetoes of its steps (:class:`~ampscaler.hooks.Veto`), one by cause,
+            each flag the largest of that cause's over the optimizers (empty: no hook said
+            anything).
         notes: what hooks derived from the iteration, by hook (an overflow report, a trace):
             kept with it, dropped with it.
         launched: the rank agreement's reductions of this iteration not yet waited for, as
             ``(work, verdict, agreed flag)`` (:class:`~ampscaler.distributed.RankAgreement`).
     """
 
-    records: dict[int, OptimizerRecord] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)
+    records: dict[int, OptimizerRecord]
+    losses: list[torch.Tensor]
     scale: torch.Tensor | None = None
     start_scale: torch.Tensor | None = None
     loss_nonfinite: torch.Tensor | None = None
@@ -207,8 +220,15 @@ class Iteration:
     losses_summed: bool = False  # a long accumulation's losses were summed into one
     measured: torch.Tensor | None = None
     by_policy: bool = True
-    notes: dict[str, Any] = field(default_factory=dict)
-    launched: list[Any] = field(default_factory=list)
+    vetoes: Mapping[VetoCause, Veto] = NO_VETOES
+    notes: dict[str, Any]
+    launched: list[Any]
+
+    def __init__(self) -> None:
+        self.records = {}
+        self.losses = []
+        self.notes = {}
+        self.launched = []
 
     def record(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         """``optimizer``'s record, made at its first call.
@@ -226,6 +246,32 @@ class Iteration:
             )
         made = self.records[id(optimizer)] = OptimizerRecord(optimizer)
         return made
+
+    def veto(self, record: OptimizerRecord, said: Veto | torch.Tensor) -> None:
+        """A hook vetoed ``record``'s step (``said``; a bare flag is a guard's veto): join its
+        flag into the record's (what the step decides on) and into the iteration's veto of its
+        cause (what is counted, reported, and replayed on where every veto that fired says
+        ``replay``). A device op where a flag is joined to another; no host sync."""
+        veto = said if isinstance(said, Veto) else Veto(said)
+        flag = veto.flag
+        record.spike = flag if record.spike is None else torch.maximum(record.spike, flag)
+        earlier = self.vetoes.get(veto.cause)
+        if earlier is not None:
+            joined = torch.maximum(earlier.flag, flag)
+            veto = Veto(joined, veto.cause, earlier.replay and veto.replay)
+        self.vetoes = {**self.vetoes, veto.cause: veto}
+
+    def vetoed_for_replay(self) -> bool:
+        """Whether a veto skipped a step of this iteration and every veto that fired says
+        ``replay`` (:meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` runs the batch
+        again). Reads the flags (one host copy) only where a step was skipped."""
+        vetoes = list(self.vetoes.values())
+        records = self.records.values()
+        if not vetoes or not any(r.outcome is not None and r.outcome.skipped for r in records):
+            return False
+        values = read_values([veto.flag for veto in vetoes])
+        fired = [veto for veto, value in zip(vetoes, values, strict=True) if value > 0]
+        return bool(fired) and all(veto.replay for veto in fired)
 
     def require_unstarted(self, funcname: str) -> None:
         """Raise if the iteration has begun: a loss that can carry gradients was scaled (one
@@ -269,7 +315,7 @@ class Iteration:
         return any(record.stage is OptState.STEPPED for record in self.records.values())
 
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
-        """Keep a loss given to ``scale()`` (as given, until :meth:`let_go_of_losses`; no
+        """Keep a loss given to ``scale()`` (as given, until ``update()`` lets go of it; no
         device work unless many are kept, when they are summed into one); with ``flag``, also
         fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops, a third
         for a loss of several elements and from the second loss on; no host sync)."""
@@ -291,16 +337,6 @@ class Iteration:
         state["losses"] = [loss.detach() for loss in self.losses]
         state["launched"] = []
         return state
-
-    def let_go_of_losses(self, clean: bool) -> None:
-        """At ``update()``: the iteration is kept for its report until the next one ends, and
-        must not hold the autograd graph behind the losses. A ``clean`` iteration (known on
-        the host to have overflowed nowhere: no skip's cause will be asked) drops them, with
-        no device work; any other keeps them detached."""
-        if clean:
-            self.losses.clear()
-        else:
-            self.losses[:] = [loss.detach() for loss in self.losses]
 
     def loss(self) -> torch.Tensor | None:
         """The sum of the iteration's losses so far, unscaled (on the device; ``None`` when
@@ -366,9 +402,13 @@ class Iteration:
                 continue  # not checked: not in the iteration's flag
             flags.append(flag)
             total = flag if total is None else total + flag
-            if known is not None:
-                nonfinite = _known_overflow(record)
-                known = None if nonfinite is None else known or nonfinite
+            if known is not None:  # _known_overflow(record), without a frame per record
+                outcome = record.outcome
+                nonfinite = record.known_overflow if outcome is None else outcome._found_inf
+                if nonfinite is None or isinstance(nonfinite, torch.Tensor):
+                    known = None  # a flag still on the device
+                else:
+                    known = known or nonfinite
         return flags, total, known, spiked
 
     def overflow_known(self) -> bool | None:

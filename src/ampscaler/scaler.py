@@ -52,13 +52,12 @@ from .distributed import (
     warn_if_world_came_later,
 )
 from .errors import PersistentOverflowError, ScalerUsageError
-from .flushed import warn_flushed
 from .grads.check import check_and_unscale_
 from .grads.collect import GradGroups, collect
 from .grads.flat import GradPlanner
 from .grads.fused import FusedRoute, step_fused
 from .guards import GuardSet
-from .hooks import FLUSH_VETO, Check, Hook, HookList, MeterHook
+from .hooks import Check, Hook, HookList, MeterHook, VetoCause
 from .hostcopy import read_values
 from .iteration import (
     Attempt,
@@ -375,7 +374,6 @@ class GradScaler(TorchPrivateNames):
         # Whether the last batch under attempts() stepped at a scale the policy set (its first
         # or second try): the scale its next batch starts from has carried a batch.
         self._last_batch_clean = False
-        self._warned_flushed = False  # metrics() said that every measured gradient flushed
         self._hooks = HookList()
         self._observers = self._hooks.add(Monitor())  # reports, sinks...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
@@ -437,8 +435,8 @@ class GradScaler(TorchPrivateNames):
         return scaled
 
     def _keep_loss(self, loss: torch.Tensor, compiling: bool) -> None:
-        # Eagerly the loss is kept as given and let go of at update() (Iteration.
-        # let_go_of_losses); a compiled step keeps it detached: one path for every step.
+        # Eagerly the loss is kept as given and let go of at update(); a compiled step keeps
+        # it detached: one path for every step.
         kept = loss.detach() if compiling else loss
         iteration = self._iteration
         iteration.keep_loss(kept, flag=self._agreement.flags_losses)
@@ -539,9 +537,9 @@ class GradScaler(TorchPrivateNames):
         for hook in self._hooks.after_check:
             unscaled_by = multiplier * live.scale
             check = Check(iteration, record, groups, unscaled_by, live, self._agreement.ranks)
-            flag = hook.after_check(check)
-            if flag is not None:
-                record.spike = flag if record.spike is None else torch.maximum(record.spike, flag)
+            veto = hook.after_check(check)
+            if veto is not None:
+                iteration.veto(record, veto)
         self._agreement.agree(record, found_inf, iteration, live.device, self._settings)
         iteration.scale = live.scale
 
@@ -699,60 +697,73 @@ class GradScaler(TorchPrivateNames):
         """
         if not self._enabled:
             return
-        compiling = torch.compiler.is_compiling()
+        # Dynamo's own test (one frame, where is_compiling() takes two); named through `torch`,
+        # so that dynamo, which skips a frame that names nothing of torch's, traces this one.
+        compiling = torch.compiler.is_dynamo_compiling()
         hooks = self._hooks
         if hooks.before_update and compiling:
             _update_eagerly(self, new_scale)  # a graph break: a measurement's schedule is Python
             return
-        live = self._state.require("update")
         iteration = self._iteration
         # found_inf > 0 iff any overflowed; overflowed: whether, where the host knows it
         flags, found_inf, overflowed, spiked = self._agreement.flags(iteration)
-        if new_scale is not None:
-            self._set_scale(new_scale, iteration, found_inf, spiked, overflowed, live, compiling)
-            return
-        if found_inf is None:
-            iteration.refuse_unchecked()
-        if compiling and self._defers_update():
+        iteration.found_inf, iteration.spiked = found_inf, spiked
+        if new_scale is not None or found_inf is None:
+            live = self._set_scale(new_scale, iteration)
+            if live is None:  # nothing stepped: nothing to count
+                return
+        elif compiling and self._defers_update():
+            live = self._state.require("update")
             self._state.defer(flags)
-            # The live scale still holds the old value until the update is applied.
-            self._end(iteration, found_inf, live.scale, None, live, None, compiling)
-            return
-        for hook in hooks.before_update:
-            hook.before_update(iteration, live)
-        old_scale = self._state.advance(
-            found_inf, spiked, iteration.measured, iteration.cause_flag, overflowed,
-            iteration.start_scale, compiling,
-        )  # fmt: skip
+            iteration.scale = live.scale  # the old value, until the update is applied
+        else:
+            for hook in hooks.before_update:
+                hook.before_update(iteration, self._state.require("update"))
+            live = self._state.advance(iteration, overflowed, compiling)
+            if not compiling:
+                self._agreement.moved()  # every rank moved alike: no new fingerprint
+        # The iteration ends. It is kept for its report until the next one ends, and must not
+        # hold the autograd graph behind its losses: a clean one (known on the host to have
+        # overflowed nowhere: no skip's cause will be asked) drops them, any other keeps them
+        # detached (a compiled scale() kept them detached: nothing to branch on).
         if not compiling:
-            self._agreement.moved()  # every rank moved alike: no new fingerprint
-        self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
+            if overflowed is False:
+                iteration.losses.clear()
+            else:
+                iteration.losses[:] = [loss.detach() for loss in iteration.losses]
+        iteration.new_scale = live.scale
+        self._finished, self._iteration = iteration, Iteration()
+        if self._bf16.active:
+            self._bf16.stop()
+        for hook in hooks.after_update:
+            hook.after_update(iteration, live, compiling)
+        if not compiling:  # periodic hooks count eager updates only
+            hooks.due_in -= 1
+            if hooks.due_in <= 0:
+                hooks.run_periodic(iteration, live)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
 
     def _set_scale(
-        self,
-        new_scale: float | torch.Tensor,
-        iteration: Iteration,
-        found_inf: torch.Tensor | None,
-        spiked: torch.Tensor | None,
-        overflowed: bool | None,
-        live: LiveState,
-        compiling: bool,
-    ) -> None:
-        """``update(new_scale)``: validate it, write it by the policy, end the iteration (a
-        host sync for a tensor ``new_scale``)."""
+        self, new_scale: float | torch.Tensor | None, iteration: Iteration
+    ) -> LiveState | None:
+        """``update(new_scale)``: validate it, write it by the policy; the live state, or
+        ``None`` where nothing stepped (the iteration is then dropped, not counted). A host
+        sync for a tensor ``new_scale``. Without ``new_scale`` (an iteration that checked no
+        optimizer): refuse."""
+        live = self._state.require("update")
+        if new_scale is None:
+            iteration.refuse_unchecked()
         value = new_scale_value(new_scale, self._state.policy)
         iteration.by_policy = False
         for hook in self._hooks.before_update:
             hook.before_update(iteration, live)
-        old_scale = self._state.set_scale(value, found_inf, spiked)
-        if found_inf is None:  # nothing stepped: nothing to count
+        found_inf = iteration.found_inf
+        iteration.scale = self._state.set_scale(value, found_inf, iteration.vetoes)
+        if found_inf is None:
             self._iteration = Iteration()
-            return
-        self._end(iteration, found_inf, old_scale, spiked, live, overflowed, compiling)
-        if self._max_consecutive_skips is not None:
-            self._check_persistent_overflow(live, self._max_consecutive_skips)
+            return None
+        return live
 
     def _defers_update(self) -> bool:
         """Whether ``update()`` under ``torch.compile`` hands its work to the next read of the
@@ -763,31 +774,6 @@ class GradScaler(TorchPrivateNames):
             and not self._hooks.after_update
             and not self._state.policy.holds_on_nonfinite_loss
         )
-
-    def _end(
-        self,
-        iteration: Iteration,
-        found_inf: torch.Tensor,
-        old_scale: torch.Tensor,
-        spiked: torch.Tensor | None,
-        live: LiveState,
-        overflowed: bool | None,
-        compiling: bool,
-    ) -> None:
-        if not compiling:  # a compiled scale() kept them detached; nothing to branch on
-            iteration.let_go_of_losses(clean=overflowed is False)
-        iteration.found_inf, iteration.scale, iteration.spiked = found_inf, old_scale, spiked
-        iteration.new_scale = live.scale
-        self._finished, self._iteration = iteration, Iteration()
-        if self._bf16.active:
-            self._bf16.stop()
-        hooks = self._hooks
-        for hook in hooks.after_update:
-            hook.after_update(iteration, live, compiling)
-        if not compiling:  # periodic hooks count eager updates only
-            hooks.due_in -= 1
-            if hooks.due_in <= 0:
-                hooks.run_periodic(iteration, live)
 
     def _check_persistent_overflow(self, live: LiveState, limit: int) -> None:
         in_a_row = int(live.counters.consecutive_skips.item())
@@ -834,10 +820,12 @@ class GradScaler(TorchPrivateNames):
         and otherwise, while the scale is still a guess (the first batch, and after a batch
         that needed more), at scales that bisect in binades down to 1, the last try at 1
         (:func:`~ampscaler.replay.retry_scale`): a warm-up from ``2**16`` to a ceiling of
-        ``2**7`` loses no batch at the default ``max_attempts``. A try whose step a measuring
-        policy's meter vetoed because every measured gradient flushed to zero
-        (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss) runs again
-        within ``max_attempts`` at the scale the policy raised it to; nothing is rewound.
+        ``2**7`` loses no batch at the default ``max_attempts``. A try whose steps a hook vetoed
+        with a :class:`~ampscaler.hooks.Veto` that says ``replay`` (and no other veto fired)
+        runs again within ``max_attempts`` at the scale the update left; nothing is rewound: a
+        measuring policy's meter vetoes so where every measured gradient flushed to zero
+        (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss), and the
+        policy raised the scale.
         Accumulation over micro-batches, several optimizers, fused optimizers and a compiled
         step inside the body all work; checkpoints go between batches.
 
@@ -905,8 +893,8 @@ class GradScaler(TorchPrivateNames):
                 if last:
                     return  # max_attempts=1, or flushed to the last: nothing to decide
                 # Stepped, known on the host (the common case): nothing to read.
-                clean = started.overflow_known() is False and FLUSH_VETO not in started.notes
-                if not clean and self._flushed(started):  # again, where the policy grew to
+                clean = started.overflow_known() is False and not started.vetoes
+                if not clean and started.vetoed_for_replay():  # again, at the scale it left
                     self._state.count_replay()
                     continue
                 if clean or not self._overflowed(started):
@@ -941,19 +929,6 @@ class GradScaler(TorchPrivateNames):
                 "once per try (after step() for every optimizer), so that each try is one "
                 "iteration the scaler can decide on."
             )
-
-    def _flushed(self, iteration: Iteration) -> bool:
-        """Whether a measuring policy's meter vetoed ``iteration``'s steps because every
-        measured gradient flushed to zero (:class:`~ampscaler.hooks.MeterHook`). Reads its
-        flag only where a step was skipped (a plain step's outcome is known on the host; a
-        fused one's is read)."""
-        flag = iteration.notes.get(FLUSH_VETO)
-        if flag is None:  # not measured, or no meter that vetoes
-            return False
-        records = iteration.records.values()
-        if not any(record.outcome is not None and record.outcome.skipped for record in records):
-            return False
-        return bool(flag.item())
 
     def _overflowed(self, iteration: Iteration) -> bool:
         """Whether ``iteration`` was skipped because its scaled gradients overflowed (and not
@@ -1049,14 +1024,15 @@ class GradScaler(TorchPrivateNames):
         - ``scale``: the loss scale now (a float);
         - ``skipped``: 1 if the last iteration (the last ``update()``) skipped a step, else 0;
         - ``skip_cause``: why, as a number: 0 it stepped, 1 its scaled gradients overflowed
-          (the scale backed off), 2 a loss was already inf/NaN before scaling, 3 a guard
-          vetoed finite gradients, 4 a measuring policy's meter vetoed them because every
-          measured gradient flushed to zero before anything was measured (it would have
-          applied zeros; the scale grows, and :meth:`attempts` runs the batch again);
+          (the scale backed off), 2 a loss was already inf/NaN before scaling; a hook vetoed
+          finite gradients (:class:`~ampscaler.hooks.VetoCause`, the highest that fired): 3 a
+          guard, 4 a measuring policy's meter because every measured gradient flushed to zero
+          before anything was measured (it would have applied zeros; the scale grows, and
+          :meth:`attempts` runs the batch again);
         - ``steps``, ``skips``, ``replays``, ``growths``, ``backoffs``, ``spike_skips``,
-          ``consecutive_skips``: the running counts (:attr:`stats`; ``skips`` is
-          ``stats.skipped``; ``spike_skips`` counts every veto of finite gradients, cause 3
-          and 4);
+          ``flush_skips``, ``consecutive_skips``: the running counts (:attr:`stats`; ``skips``
+          is ``stats.skipped``; ``spike_skips`` counts the guards' vetoes, cause 3, and
+          ``flush_skips`` the meter's, cause 4);
         - ``flushed_measurements``, with a measuring policy (:class:`~ampscaler.HeadroomPolicy`):
           measured iterations whose every measured gradient was zero in float16 at their scale.
           The first time it reads a count above 0 it warns (a
@@ -1085,25 +1061,28 @@ class GradScaler(TorchPrivateNames):
         """
         live = self._state.live if self._enabled else None
         finished = self._finished
-        flushed: int | None = None
+        readings: dict[str, torch.Tensor] = {}
+        read_out: list[float] = []
         if live is None or finished is None:
             scale, stats, cause = self.get_scale(), self._state.stats(), 0
         else:
-            counted = getattr(live.tensors, "flushed", None)  # a measuring policy's count
-            veto = finished.notes.get(FLUSH_VETO)  # the meter's veto, where it could veto
-            extra = [t for t in (counted, veto) if t is not None]
+            for hook in self._hooks:
+                readings.update(hook.readings(live))
+            vetoes = finished.vetoes
             flags = finished.outcome_flags()
+            extra = [veto.flag for veto in vetoes.values()] + list(readings.values())
             read = read_values([live.scale, live.counters.values, flags, *extra])
             scale, stats = read[0], ScalerStats(*read[1])
             found, spike, loss = read[2]
-            cause = (2 if loss > 0 else 1) if found > 0 else (3 if spike > 0 else 0)
-            if veto is not None and cause == 3 and read[-1] > 0:
-                cause = 4  # every measured gradient flushed to zero
-            flushed = int(read[3]) if counted is not None else None
+            fired = [c for c, value in zip(vetoes, read[3:], strict=False) if value > 0]
+            cause = max(fired, default=VetoCause.GUARD) if spike > 0 else 0
+            if found > 0:
+                cause = 2 if loss > 0 else 1
+            read_out = read[3 + len(vetoes) :]
         values: dict[str, float | int] = {
             "scale": float(scale),
             "skipped": int(cause > 0),
-            "skip_cause": cause,
+            "skip_cause": int(cause),
             "steps": stats.steps,
             "skips": stats.skipped,
             "replays": stats.replays,
@@ -1111,12 +1090,12 @@ class GradScaler(TorchPrivateNames):
             "backoffs": stats.backoffs,
             "spike_skips": stats.spike_skips,
             "consecutive_skips": stats.consecutive_skips,
+            "flush_skips": stats.flush_skips,
         }
-        if flushed is not None:
-            values["flushed_measurements"] = flushed
-            if flushed and not self._warned_flushed:
-                self._warned_flushed = True
-                warn_flushed(float(scale), flushed)
+        heard = dict(zip(readings, read_out, strict=True))
+        for hook in self._hooks:
+            hook.heard(heard, float(scale))
+        values.update(heard)
         return {prefix + name: value for name, value in values.items()}
 
     @property
@@ -1203,7 +1182,8 @@ class GradScaler(TorchPrivateNames):
             return
         for model, prefix in self._watched:
             meter.watch(model, prefix)
-        self._hooks.add(MeterHook(meter, self._agreement))
+        hook = self._hooks.add(MeterHook(meter, self._agreement))
+        hook.warned = old is not None and old.warned
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled and self._iteration.records:

@@ -23,7 +23,9 @@ Example:
     >>> state = ScalerState(ScalePolicy(growth_interval=1), 8.0)
     >>> live = state.use(torch.device("cpu"))      # what scale() does
     >>> scale = live.scale
-    >>> _ = state.advance(torch.tensor(0.0))           # a clean iteration: the scale grows
+    >>> iteration = Iteration()
+    >>> iteration.found_inf = torch.tensor(0.0)        # a clean iteration
+    >>> _ = state.advance(iteration)                   # the scale grows
     >>> state.live.scale is scale, state.scale_value(), state.stats().growths
     (True, 16.0, 1)
 """
@@ -31,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -39,8 +41,9 @@ import torch
 
 from .errors import ScalerUsageError
 from .grads.pow2 import Pow2Watch
+from .hooks import Veto, VetoCause
 from .hostcopy import read_values
-from .iteration import StepOutcome
+from .iteration import NO_VETOES, Iteration, StepOutcome
 from .policy import LOWEST_SCALE, Policy, PolicyState, adjusted, float32_value
 from .policy.derived import comparable, power_of_two, with_rule
 
@@ -60,6 +63,11 @@ FOLD_EVERY = 256
 #: The largest value an int64 counter holds.
 INT64_MAX = 2**63 - 1
 
+#: Where :class:`StepCounters` counts replays, and each cause of a veto (:class:`ScalerStats`'
+#: order: ``spike_skips``, ``flush_skips``).
+_REPLAYS = 6
+_VETO_COUNTERS = {VetoCause.GUARD: 5, VetoCause.FLUSHED: 7}
+
 
 @dataclass(frozen=True)
 class ScalerStats:
@@ -72,11 +80,16 @@ class ScalerStats:
         backoffs: updates that lowered the scale.
         consecutive_skips: skipped iterations in a row, up to the latest one (0 after a clean one).
         spike_skips: iterations whose gradients were finite but that a guard skipped (a
-            :class:`~ampscaler.SpikeGuard`); not in ``skipped``, since the scale was not the
-            problem and did not back off.
+            :class:`~ampscaler.SpikeGuard`, or a hook's veto of cause
+            :attr:`~ampscaler.hooks.VetoCause.GUARD`); not in ``skipped``, since the scale was
+            not the problem and did not back off.
         replays: skipped iterations whose batch :meth:`GradScaler.attempts
             <ampscaler.GradScaler.attempts>` ran again (each is also in ``steps`` and
             ``skipped``: the batch was lost only when it was skipped and not replayed).
+        flush_skips: iterations whose gradients were finite but that a measuring policy's
+            meter skipped because every gradient it measured flushed to zero (a veto of cause
+            :attr:`~ampscaler.hooks.VetoCause.FLUSHED`); not in ``skipped`` nor in
+            ``spike_skips``. New in this release: a checkpoint of an older one starts it at 0.
     """
 
     steps: int = 0
@@ -86,6 +99,7 @@ class ScalerStats:
     consecutive_skips: int = 0
     spike_skips: int = 0
     replays: int = 0
+    flush_skips: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict, as stored in ``state_dict()["stats"]``."""
@@ -111,20 +125,21 @@ class StepCounters:
         >>> counters.record(torch.tensor(1.0), scale.clone()); _ = scale.fill_(1.0)  # backed off
         >>> counters.stats()  # doctest: +NORMALIZE_WHITESPACE
         ScalerStats(steps=2, skipped=1, growths=1, backoffs=1, consecutive_skips=1,
-                    spike_skips=0, replays=0)
+                    spike_skips=0, replays=0, flush_skips=0)
     """
 
     def __init__(self, scale: torch.Tensor, stats: ScalerStats | None = None) -> None:
         self._scale = scale
         self._values = torch.zeros(len(fields(ScalerStats)), dtype=torch.int64, device=scale.device)
         self._found: list[torch.Tensor] = []
-        self._spiked: list[torch.Tensor] = []
+        # Veto flags by cause, kept from the first one on (then in step with _found).
+        self._vetoed: dict[VetoCause, list[torch.Tensor]] = {}
         self._old: list[torch.Tensor] = []
         self.reset(stats or ScalerStats())
 
     def reset(self, stats: ScalerStats) -> None:
         """Start again from ``stats`` (in place; forgets iterations not yet folded)."""
-        self._found, self._spiked, self._old = [], [], []
+        self._found, self._vetoed, self._old = [], {}, []
         values = list(asdict(stats).values())
         self._values.copy_(torch.tensor(values, dtype=torch.int64))
 
@@ -132,13 +147,13 @@ class StepCounters:
         self,
         found_inf: torch.Tensor,
         old_scale: torch.Tensor,
-        spiked: torch.Tensor | None = None,
+        vetoes: Mapping[VetoCause, Veto] = NO_VETOES,
         compiling: bool | None = None,
     ) -> None:
-        """Count one iteration: it overflowed iff ``found_inf > 0``; a guard skipped it iff
-        ``spiked > 0`` (``None``: no guard); it started at ``old_scale`` (a copy nobody
-        modifies) and ended at the live scale's value now. A NaN ``found_inf`` stands for no
-        iteration and is not counted.
+        """Count one iteration: it overflowed iff ``found_inf > 0``; a hook vetoed it iff a
+        veto's flag is ``> 0`` (counted under its cause where it did not overflow); it started
+        at ``old_scale`` (a copy nobody modifies) and ended at the live scale's value now. A
+        NaN ``found_inf`` stands for no iteration and is not counted.
 
         Eagerly the iteration is kept for a later fold; under ``torch.compile`` (``compiling``,
         where the caller knows it; asked otherwise) it is counted at once, in place, so the
@@ -146,14 +161,17 @@ class StepCounters:
         number).
         """
         if compiling or (compiling is None and torch.compiler.is_compiling()):
-            self.count_now(found_inf, old_scale, spiked)
+            self.count_now(found_inf, old_scale, vetoes)
             return
         self._found.append(found_inf)
-        # Guard flags are kept only from the first one on (then in step with _found).
-        if spiked is not None and not self._spiked:
-            self._spiked = [torch.zeros_like(flag) for flag in self._found[:-1]]
-        if self._spiked or spiked is not None:
-            self._spiked.append(torch.zeros_like(found_inf) if spiked is None else spiked)
+        if vetoes or self._vetoed:
+            kept = self._vetoed
+            for cause in vetoes:
+                if cause not in kept:
+                    kept[cause] = [torch.zeros_like(flag) for flag in self._found[:-1]]
+            for cause, flags in kept.items():
+                veto = vetoes.get(cause)
+                flags.append(torch.zeros_like(found_inf) if veto is None else veto.flag)
         self._old.append(old_scale)
         if len(self._found) >= FOLD_EVERY:
             self._fold()
@@ -162,11 +180,11 @@ class StepCounters:
         self,
         found_inf: torch.Tensor,
         old_scale: torch.Tensor,
-        spiked: torch.Tensor | None = None,
+        vetoes: Mapping[VetoCause, Veto] = NO_VETOES,
     ) -> None:
         """:meth:`record`, counted at once in place: nothing is kept for later."""
         self._fold()
-        flags = None if spiked is None else spiked.reshape(1)
+        flags = {cause: veto.flag.reshape(1) for cause, veto in vetoes.items()}
         self._count(found_inf.reshape(1), flags, old_scale.reshape(1))
 
     @property
@@ -192,19 +210,22 @@ class StepCounters:
 
     def count_replay(self) -> None:
         """One more replayed batch (in place; no sync)."""
-        self._values[6].add_(1)
+        self._values[_REPLAYS].add_(1)
 
     def _fold(self) -> None:
         if self._found:
-            found = _stacked(self._found, self._values.device)
-            spiked = _stacked(self._spiked, self._values.device) if self._spiked else None
-            self._count(found, spiked, torch.stack(self._old))
-            self._found, self._spiked, self._old = [], [], []
+            device = self._values.device
+            found = _stacked(self._found, device)
+            vetoed = {cause: _stacked(flags, device) for cause, flags in self._vetoed.items()}
+            self._count(found, vetoed, torch.stack(self._old))
+            self._found, self._vetoed, self._old = [], {}, []
 
-    def _count(self, found: torch.Tensor, spiked: torch.Tensor | None, old: torch.Tensor) -> None:
-        """Add iterations with inf flags ``found`` and guard flags ``spiked`` (``None``: no
-        guard flagged any) that started at scales ``old`` (1-dim, in order; the last one ended
-        at the live scale), in place. NaN flags are not counted."""
+    def _count(
+        self, found: torch.Tensor, vetoed: Mapping[VetoCause, torch.Tensor], old: torch.Tensor
+    ) -> None:
+        """Add iterations with inf flags ``found`` and veto flags ``vetoed`` by cause (a cause
+        left out vetoed none) that started at scales ``old`` (1-dim, in order; the last one
+        ended at the live scale), in place. NaN flags are not counted."""
         counted = ~torch.isnan(found)
         count = counted.sum()
         overflow = found > 0
@@ -212,22 +233,19 @@ class StepCounters:
         new = torch.cat((old[1:], self._scale.reshape(1)))
         # The overflows at the end, in a row: 1s of the reversed flags up to their first 0.
         trailing = overflow.flip(0).to(torch.int64).cumprod(0).sum()
-        steps, skipped, growths, backoffs, in_a_row, spikes, replays = self._values.unbind()
-        self._values.copy_(
-            torch.stack(
-                (
-                    steps + count,
-                    skipped + overflow.sum(),
-                    growths + ((new > old) & counted).sum(),
-                    backoffs + ((new < old) & counted).sum(),
-                    trailing + in_a_row * (trailing == count),
-                    spikes
-                    if spiked is None
-                    else spikes + ((spiked > 0) & ~overflow & counted).sum(),
-                    replays,
-                )
-            )
+        values = list(self._values.unbind())
+        steps, skipped, growths, backoffs, in_a_row = values[:5]
+        values[:5] = (
+            steps + count,
+            skipped + overflow.sum(),
+            growths + ((new > old) & counted).sum(),
+            backoffs + ((new < old) & counted).sum(),
+            trailing + in_a_row * (trailing == count),
         )
+        for cause, flags in vetoed.items():
+            index = _VETO_COUNTERS[cause]
+            values[index] = values[index] + ((flags > 0) & ~overflow & counted).sum()
+        self._values.copy_(torch.stack(values))
 
 
 def _stacked(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -504,49 +522,54 @@ class ScalerState:
     # ------------------------------------------------------------------ writes
 
     def advance(
-        self,
-        found_inf: torch.Tensor,
-        spiked: torch.Tensor | None = None,
-        measured: torch.Tensor | None = None,
-        loss_nonfinite: Callable[[], torch.Tensor | None] | None = None,
-        overflowed: bool | None = None,
-        start_scale: torch.Tensor | None = None,
-        compiling: bool | None = None,
-    ) -> torch.Tensor:
-        """One iteration ended with ``found_inf`` (and a guard's ``spiked``, which the policy
-        does not see; and what a measuring policy ``measured``): move the state by the policy,
-        hold the scale at the floor, count the iteration.
+        self, iteration: Iteration, overflowed: bool | None = None, compiling: bool = False
+    ) -> LiveState:
+        """``iteration`` ended with ``iteration.found_inf`` (and its ``vetoes``, which the
+        policy does not see; and what a measuring policy ``measured``): move the state by the
+        policy, hold the scale at the floor, count the iteration (its vetoes by cause). Sets
+        ``iteration.scale`` to a copy of the scale it started from (``iteration.start_scale``,
+        the copy its unscale made, or a new one) and returns the live state.
 
         A policy that holds on a non-finite loss
         (:attr:`Policy.holds_on_nonfinite_loss <ampscaler.Policy.holds_on_nonfinite_loss>`)
-        does not move where the flag ``loss_nonfinite()`` gives is > 0 and the step was
-        skipped (asked for only where the host does not know that it stepped: ``overflowed``
-        is whether ``found_inf > 0``, where the host knows it). Whatever the policy, the scale
-        never ends below :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``): one small
-        device op, the same for every update, that the host needs to know nothing for. Returns
-        a copy of the scale the iteration started from: ``start_scale`` (one made already, in
-        any float dtype) or a new one. ``compiling``: whether under ``torch.compile``, where
-        the caller knows it (asked otherwise). No host sync."""
+        does not move where the iteration's loss flag is > 0 and the step was skipped (made
+        only where the host does not know that it stepped: ``overflowed`` is whether
+        ``found_inf > 0``, where the host knows it). Whatever the policy, the scale never ends
+        below :data:`~ampscaler.policy.LOWEST_SCALE` (``2**-126``): one small device op, the
+        same for every update, that the host needs to know nothing for. ``compiling``: whether
+        under ``torch.compile``. No host sync."""
         if self._deferred:
             self._settle_masked()
         live = self._live
         assert live is not None, "the state lives on a device once scale() has run"
-        if self._watch is not None:
-            self._watch.before_update()
-        old = live.scale.clone() if start_scale is None else start_scale
+        found_inf = iteration.found_inf
+        assert found_inf is not None, "update() refuses an iteration without a check"
+        watch = self._watch
+        if watch is not None:
+            watch.before_update()
+        old = iteration.start_scale
+        if old is None:
+            old = live.scale.clone()
+        iteration.scale = old
         # A policy holds where a non-finite loss skipped the step; a step the host knows went
         # through (no overflow) has nothing to hold, and the loss flag is not made.
-        holds = self._holds and overflowed is not False
-        flag = loss_nonfinite() if loss_nonfinite is not None and holds else None
-        if flag is None:
-            self._policy.update_(live.tensors, found_inf, measured)
+        hold = iteration.cause_flag() if self._holds and overflowed is not False else None
+        if hold is None:
+            self._policy.update_(live.tensors, found_inf, iteration.measured)
         else:
-            self._update_unless(flag, live, found_inf, measured)
-        live.scale.clamp_min_(live.floor)  # the floor
-        live.counters.record(found_inf, old, spiked, compiling)
-        if self._watch is not None:
-            self._watch.updated(live.scale)
-        return old
+            self._update_unless(hold, live, found_inf, iteration.measured)
+        torch.clamp_min_(live.scale, live.floor)  # the floor (the function: a little faster)
+        counters, vetoes = live.counters, iteration.vetoes
+        if compiling or vetoes or counters._vetoed:
+            counters.record(found_inf, old, vetoes, compiling)
+        else:  # StepCounters.record()'s common case, without a frame of its own
+            counters._found.append(found_inf)
+            counters._old.append(old)
+            if len(counters._found) >= FOLD_EVERY:
+                counters._fold()
+        if watch is not None:
+            watch.updated(live.scale)
+        return live
 
     def _update_unless(
         self,
@@ -567,15 +590,16 @@ class ScalerState:
         self,
         value: float,
         found_inf: torch.Tensor | None,
-        spiked: torch.Tensor | None = None,
+        vetoes: Mapping[VetoCause, Veto] = NO_VETOES,
     ) -> torch.Tensor:
         """``update(new_scale)``: write ``value`` into the state by the policy; count the
-        iteration when ``found_inf`` is given. Returns a copy of the old scale."""
+        iteration (and its ``vetoes``) when ``found_inf`` is given. Returns a copy of the old
+        scale."""
         live = self._settled_live()
         old = live.scale.clone()
         self._policy.set_scale_(live.tensors, value)
         if found_inf is not None:
-            live.counters.record(found_inf, old, spiked)
+            live.counters.record(found_inf, old, vetoes)
         self._saw(value)
         return old
 

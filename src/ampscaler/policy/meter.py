@@ -51,11 +51,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..distributed import refuse_alone
+from ..flushed import FLUSHED_READING, warn_flushed
 from ..grads.collect import grad_views
 from ..taps import GradTaps, WatchedModels, leaf_modules
 from .base import PolicyState
@@ -247,6 +249,22 @@ class HeadroomMeter:
         can_grow = state.target < 2.0 ** self._policy.exponents[1]
         nothing_yet = state.measured == 0  # nothing stored: the history is empty
         return ((seen == 0.0) & nothing_yet & can_grow).float()
+
+    def readings(self, state: PolicyState) -> dict[str, torch.Tensor]:
+        """What :meth:`GradScaler.metrics <ampscaler.GradScaler.metrics>` reports of the
+        policy's ``state``: ``flushed_measurements``, the measured iterations whose every
+        measured gradient was zero in float16 at their scale (read with the rest)."""
+        assert isinstance(state, HeadroomState), "the meter of a HeadroomPolicy"
+        return {FLUSHED_READING: state.flushed}
+
+    def heard(self, values: Mapping[str, float], scale: float) -> bool:
+        """``metrics()`` read ``values`` (:meth:`readings`, at the scale ``scale``): warn with
+        what to do (:class:`~ampscaler.flushed.GradientsFlushedWarning`, from the caller of
+        ``metrics()``) where a measured iteration flushed; whether it warned."""
+        count = int(values.get(FLUSHED_READING, 0))
+        if count:
+            warn_flushed(scale, count, stacklevel=5)  # metrics() <- MeterHook.heard <- this
+        return count > 0
 
     def advance(self) -> None:
         """The policy moved on by one iteration: arm the hooks for the next."""
