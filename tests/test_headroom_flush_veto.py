@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from ampscaler import GradScaler, HeadroomPolicy
+from ampscaler import GradScaler, HeadroomPolicy, StepHistory
 from ampscaler.flushed import GradientsFlushedWarning
 from ampscaler.hooks import VetoCause
 from ampscaler.policy.headroom import FLUSH_JUMP
@@ -181,3 +181,25 @@ def test_with_a_process_group_the_veto_is_agreed_and_the_batch_replayed() -> Non
         assert len(opt.nonzero) == 2 and min(opt.nonzero) > 0
     finally:
         dist.destroy_process_group()
+
+
+def test_the_step_record_says_flushed_not_spike() -> None:
+    """A flush veto is not a guard's: the record and its JSON line say which one skipped."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", policy=HeadroomPolicy())
+    history = StepHistory(16)
+    scaler.attach(history)
+    scaler.watch(model)
+    for x in _batches(2):
+        for _ in scaler.attempts():
+            opt.zero_grad()
+            scaler.scale(_loss(model, x)).backward()
+            scaler.step(opt)
+            scaler.update()
+    vetoed, replayed = history.records[0], history.records[1]
+    assert vetoed.flushed and not vetoed.spike and not vetoed.skipped
+    assert "flushed to zero" in str(vetoed) and "spike guard" not in str(vetoed)
+    assert vetoed.as_dict()["flushed"] is True and "spike" not in vetoed.as_dict()
+    assert replayed.attempt == 1 and not replayed.flushed
+    assert "flushed" not in replayed.as_dict()

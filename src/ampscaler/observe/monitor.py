@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import InvalidConfigError, SinkWarning, warn_at_caller
-from ..hooks import Hook
+from ..hooks import Hook, VetoCause
 from ..hostcopy import read_values
 from . import localize
 from .collapse import CollapseAlert, CollapseWatch
@@ -195,13 +195,16 @@ class Monitor(Hook):
     ) -> None:
         found_inf, old_scale, new_scale = iteration.found_inf, iteration.scale, iteration.new_scale
         assert found_inf is not None and old_scale is not None and new_scale is not None
-        spike = torch.zeros_like(found_inf) if iteration.spiked is None else iteration.spiked
-        outcome = [found_inf, spike.to(found_inf.dtype), old_scale, new_scale]
-        tensors = [torch.stack([t.to(old_scale.device) for t in outcome]), counters.steps]
+        outcome = [found_inf]
+        for cause in (VetoCause.GUARD, VetoCause.FLUSHED):  # the record's spike, flushed
+            veto = iteration.vetoes.get(cause)
+            outcome.append(torch.zeros_like(found_inf) if veto is None else veto.flag)
+        outcome = [t.to(old_scale.device, found_inf.dtype) for t in outcome]
+        tensors = [torch.stack([*outcome, old_scale, new_scale]), counters.steps]
         if pending is not None:
             tensors += [t.to(old_scale.device) for t in pending.values]
         read = read_values(tensors)  # the one host sync
-        found, spike_flag, old, new = read[0]
+        found, spike_flag, flush_flag, old, new = read[0]
         step = int(read[1]) - 1
         skipped = found > 0
         record = StepRecord(
@@ -213,6 +216,7 @@ class Monitor(Hook):
             overflow=self._resolve(iteration, step) if skipped else None,
             probe=None if pending is None else pending.finish(read[2:], old),
             spike=not skipped and spike_flag > 0,
+            flushed=not skipped and flush_flag > 0,
             attempt=iteration.attempt,
         )
         for sink in self._sinks:

@@ -15,9 +15,10 @@ something consumes records (a sink such as :class:`~ampscaler.StepHistory` or
 :mod:`ampscaler.observe.probe`). ``loss`` and ``lr`` are written when a record carries them (the
 scaler's records do not; the demo's do). Non-finite numbers are written as the strings
 ``"inf"``, ``"-inf"`` and ``"nan"`` so that every line is strict JSON. ``"spike": true`` marks
-a step a :class:`~ampscaler.SpikeGuard` skipped. ``label`` names the run
-a record belongs to when one log holds several (the demo's arms). A line may hold other keys;
-:func:`read_log` ignores them.
+a step a :class:`~ampscaler.SpikeGuard` skipped, ``"flushed": true`` one a
+:class:`~ampscaler.HeadroomPolicy` skipped because its gradients all flushed to zero.
+``label`` names the run a record belongs to when one log holds several (the demo's arms). A
+line may hold other keys; :func:`read_log` ignores them.
 
 :meth:`StepRecord.to_json_line` writes a line and :func:`read_log` reads a log back.
 
@@ -69,6 +70,11 @@ class StepRecord(Plain):
             arms); ``report`` draws the labels of one log side by side.
         spike: whether a guard (:class:`~ampscaler.SpikeGuard`) skipped the step although its
             gradients were finite (``skipped`` stays ``False``: the scale did not back off).
+        flushed: whether a measuring policy's meter (:class:`~ampscaler.HeadroomPolicy`)
+            skipped the step because every gradient it measured flushed to zero before it had
+            measured anything (``skipped`` stays ``False``: the scale is raised, not backed
+            off; :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` runs the batch
+            again).
         attempt: which attempt at its batch the iteration was, under
             :meth:`GradScaler.attempts <ampscaler.GradScaler.attempts>` (0: the first; a
             record with ``attempt > 0`` follows a skipped record of the same batch).
@@ -85,6 +91,7 @@ class StepRecord(Plain):
     lr: float | None = None
     label: str | None = None
     spike: bool = False
+    flushed: bool = False
     attempt: int = 0
 
     @property
@@ -113,6 +120,8 @@ class StepRecord(Plain):
                 text += f" ({self.overflow})"
         if self.spike:
             text += "; skipped by the spike guard (finite gradients, scale kept)"
+        if self.flushed:
+            text += "; skipped: every measured gradient flushed to zero (scale raised)"
         if self.probe is not None:
             p = self.probe
             text += (
@@ -129,7 +138,8 @@ class StepRecord(Plain):
 
     def as_dict(self) -> dict[str, Any]:
         """The record as one JSON object (the JSONL line format, see the module docstring):
-        ``loss``, ``lr``, ``label``, ``spike`` and ``attempt`` only where they are set."""
+        ``loss``, ``lr``, ``label``, ``spike``, ``flushed`` and ``attempt`` only where they are
+        set."""
         plain = {"format": FORMAT, "step": self.step, "time": self.time, **super().as_dict()}
         return {key: value for key, value in plain.items() if _UNSET.get(key, _KEPT) != value}
 
@@ -139,7 +149,9 @@ class StepRecord(Plain):
 
 
 #: The fields a JSON line leaves out when they hold these values.
-_UNSET: dict[str, object] = {"loss": None, "lr": None, "label": None, "spike": False, "attempt": 0}
+_UNSET: dict[str, object] = dict(
+    loss=None, lr=None, label=None, spike=False, flushed=False, attempt=0
+)
 _KEPT = object()  # what no value equals
 
 
