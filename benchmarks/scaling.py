@@ -470,20 +470,26 @@ def check_bitwise(trainers: list[Trainer]) -> None:
 # ---------------------------------------------------------------------------- what attempts() costs
 
 
-#: Rounds of the same-model timing (:func:`time_attempts`), each eight clean batches.
-ROUNDS = 100
+#: The same-model timing (:func:`time_attempts`): rounds of eight clean batches, at most this
+#: many ...
+ROUNDS = 1000
+#: ... or until the timed batches took this many seconds of thread time (--timing-seconds).
+TIMING_SECONDS = 20.0
+#: Rounds per block: a block's ratio is of its fastest batches, one side's over the other's.
+ROUND_BLOCK = 25
 
 
 @dataclass
 class Paired:
     """What ``attempts()`` costs a clean batch, timed on one model (:func:`time_attempts`):
-    the median and quartiles over rounds of the time with the loop over the time without it,
+    the median and quartiles over blocks of the time with the loop over the time without it,
     and the same of the control, without over without (what the method reads where there is
     nothing to find)."""
 
     cost: tuple[float, float, float]
     control: tuple[float, float, float]
     rounds: int  # the rounds kept: every try clean and none measured
+    blocks: int
 
 
 def timed_try(work: Workload, trainer: Trainer, batch: Batch, loop: bool) -> tuple[float, bool]:
@@ -503,19 +509,33 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return middle, low, high
 
 
-def time_attempts(work: Workload, twin: Trainer, arm: Arm, rounds: int) -> Paired | None:
+def block_ratios(ours: list[float], theirs: list[float], block: int) -> list[float]:
+    """Per block of ``block`` consecutive entries, the fastest of ``ours`` over the fastest of
+    ``theirs`` (a load on the machine only slows a batch down: a block's fastest is its least
+    disturbed)."""
+    return [
+        min(ours[start : start + block]) / min(theirs[start : start + block])
+        for start in range(0, len(ours) - block + 1, block)
+    ]
+
+
+def time_attempts(
+    work: Workload, twin: Trainer, arm: Arm, rounds: int, seconds: float
+) -> Paired | None:
     """Time what ``attempts()`` costs a clean batch on one model: a copy of ``twin`` (the
     trained arm without the loop: its weights, its optimizer's state, its scaler's state in a
-    new scaler of ``arm``'s kind) runs ``rounds`` rounds of eight batches on one of
-    ``work``'s ordinary batches each, without the loop (A) and with it (B), then twice without
-    (the control's X and Y): ``A B B A X Y Y X``, the halves swapping places every other
-    round. A round's ratios are B's two times over A's, and Y's over X's: each side runs first
-    as often as last, so what the batch before leaves in the caches, and a drift in the
-    machine's speed, falls on both sides alike; and one model, optimizer and scaler run both,
-    so nothing that differs between two arms' copies (where their memory lies) enters the
-    ratio. A round with a try that was skipped or replayed, or that a measuring policy
-    measured (``policy.measures``: about sixty more ops), is left out: that is not a clean
-    batch. ``None``: fewer than four rounds kept."""
+    new scaler of ``arm``'s kind) runs up to ``rounds`` rounds (or ``seconds`` of timed thread
+    time) of eight of ``work``'s ordinary batches, in pairs on one batch each: without the
+    loop (A) and with it (B) as ``A B``, ``B A``, then the control, twice without (X, Y), as
+    ``X Y``, ``Y X``; the halves swap places every other round. Each side runs first on a new
+    batch as often as second, and after its own kind as often as after the other, so what the
+    batch before leaves in the caches falls on both sides alike, and so does a drift in the
+    machine's speed; and one model, optimizer and scaler run both sides, so nothing that
+    differs between two arms' copies (where their memory lies) enters the ratio. Per block of
+    :data:`ROUND_BLOCK` rounds, the fastest B over the fastest A (Y over X); the median and
+    quartiles over blocks. A round with a try that was skipped or replayed, or that a
+    measuring policy measured (``policy.measures``: about sixty more ops), is left out: that
+    is not a clean batch. ``None``: fewer than two blocks."""
     model = copy.deepcopy(twin.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=work.lr)
     optimizer.load_state_dict(twin.optimizer.state_dict())
@@ -527,28 +547,32 @@ def time_attempts(work: Workload, twin: Trainer, arm: Arm, rounds: int) -> Paire
     measures = getattr(scaler.policy, "measures", None)
     iteration = int(saved.get("headroom", {}).get("iteration", 0))
     ordinary = [batch for batch in work.batches if not batch.outlier]
-    cost, control = [], []
-    pattern = (False, True, True, False, False, False, False, False)
+    sides: dict[str, list[float]] = {"A": [], "B": [], "X": [], "Y": []}
+    plan = ("AB", "BA", "XY", "YX")
+    spent, kept, batch_number = 0.0, 0, 0
     for number in range(rounds):
-        batch = ordinary[number % len(ordinary)]
-        order = pattern if number % 2 == 0 else pattern[4:] + pattern[:4]
-        times, clean = [], True
-        for loop in order:
-            seconds, was_clean = timed_try(work, trainer, batch, loop)
-            clean &= was_clean and not (measures is not None and measures(iteration))
-            iteration += 1
-            times.append(seconds)
-        if not clean:
-            continue
-        half = 0 if number % 2 == 0 else 4  # where the loop's half lies in this round
-        a, b = times[half] + times[half + 3], times[half + 1] + times[half + 2]
-        rest = 4 - half
-        x, y = times[rest] + times[rest + 3], times[rest + 1] + times[rest + 2]
-        cost.append(b / a)
-        control.append(y / x)
-    if len(cost) < 4:
+        if spent >= seconds:
+            break
+        times: dict[str, float] = dict.fromkeys(sides, 0.0)
+        clean = True
+        for pair in plan if number % 2 == 0 else plan[2:] + plan[:2]:
+            batch = ordinary[batch_number % len(ordinary)]
+            batch_number += 1
+            for side in pair:
+                took, was_clean = timed_try(work, trainer, batch, side == "B")
+                clean &= was_clean and not (measures is not None and measures(iteration))
+                iteration += 1
+                times[side] += took
+                spent += took
+        if clean:
+            kept += 1
+            for side, total in times.items():
+                sides[side].append(total)
+    cost = block_ratios(sides["B"], sides["A"], ROUND_BLOCK)
+    control = block_ratios(sides["Y"], sides["X"], ROUND_BLOCK)
+    if len(cost) < 2:
         return None
-    return Paired(quartiles(cost), quartiles(control), len(cost))
+    return Paired(quartiles(cost), quartiles(control), kept, len(cost))
 
 
 # ---------------------------------------------------------------------------- the table
@@ -670,6 +694,7 @@ def summarize(
         rows[name]["control"] = None if paired is None else paired.control[0]
         rows[name]["control_quartiles"] = None if paired is None else list(paired.control[1:])
         rows[name]["timed_rounds"] = None if paired is None else paired.rounds
+        rows[name]["timed_blocks"] = None if paired is None else paired.blocks
     return rows
 
 
@@ -759,6 +784,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=SEEDS, help="runs per workload")
     parser.add_argument("--held-out", type=int, default=HELD_OUT, help="held-out batches")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="same-model timing rounds")
+    parser.add_argument(
+        "--timing-seconds", type=float, default=TIMING_SECONDS, help="and at most this long"
+    )
     parser.add_argument("--json", default=None, help="write the numbers here")
     parser.add_argument("--margin", type=float, default=None, help="HeadroomPolicy's margin")
     parser.add_argument("--first-margin", type=float, default=None, help="and first_margin")
@@ -778,7 +806,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work, trainers = runs[0]
         arms = {arm.name: arm for arm in ARMS}
         timing = {
-            name: time_attempts(work, trainers[twin], arms[name], args.rounds)
+            name: time_attempts(work, trainers[twin], arms[name], args.rounds, args.timing_seconds)
             for name, twin in TWINS.items()
         }
         rows = summarize(runs, timing)
