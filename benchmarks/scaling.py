@@ -673,6 +673,8 @@ def summarize(
             "flushed": flushed[0] / flushed[1] if flushed[1] else 0.0,
             "flushed_from_batch_1": later[0] / later[1] if later[1] else 0.0,
             "held_out_vs_fp32": statistics.fmean(vs_fp32),
+            "held_out_vs_fp32_se": over_seeds(vs_fp32)[1],
+            "held_out_vs_fp32_seeds": vs_fp32,
             "held_out_vs_torch": mean_vs_torch,
             "held_out_vs_torch_se": se_seeds,
             "held_out_vs_torch_seeds": vs_torch,
