@@ -54,7 +54,9 @@ says when two standard errors are too wide to tell 1%.
 
 What ``attempts()`` costs a clean batch is timed on one model (:func:`time_attempts`): after
 training, a copy of the arm without the loop runs pairs of batches without and with it, and
-a control pairs it with itself; per block of rounds the fastest of each side. Timed between
+a control pairs it with itself in the same places; per block of rounds the fastest of each
+side, and the loop's ratio over the control's (a place in the round has a bias of its own: the
+control read 0.98 to 0.998 where it should read 1). Timed between
 two arms instead (``attempts_cost_between_arms`` in ``--json``), the ratio also carries
 whatever differs between two copies of a model, and read 1.007 to 1.027 on the MLPs where
 the loop's own Python is some 0.13% of a batch.
@@ -501,12 +503,14 @@ ROUND_BLOCK = 25
 
 @dataclass
 class Paired:
-    """What ``attempts()`` costs a clean batch, timed on one model (:func:`time_attempts`):
-    the median and quartiles over blocks of the time with the loop over the time without it,
-    and the same of the control, without over without (what the method reads where there is
-    nothing to find)."""
+    """What ``attempts()`` costs a clean batch, timed on one model (:func:`time_attempts`),
+    each as the median and quartiles over blocks: ``raw``, the time with the loop over the
+    time without it; ``control``, without over without in the same places (what the method
+    reads where there is nothing to find: the places' own bias); ``cost``, each block's raw
+    ratio over its control's (the bias taken out)."""
 
     cost: tuple[float, float, float]
+    raw: tuple[float, float, float]
     control: tuple[float, float, float]
     rounds: int  # the rounds kept: every try clean and none measured
     blocks: int
@@ -545,14 +549,16 @@ def time_attempts(
     """Time what ``attempts()`` costs a clean batch on one model: a copy of ``twin`` (the
     trained arm without the loop: its weights, its optimizer's state, its scaler's state in a
     new scaler of ``arm``'s kind) runs up to ``rounds`` rounds (or ``seconds`` of timed thread
-    time) of eight of ``work``'s ordinary batches, in pairs on one batch each: without the
+    time) of eight batches, in pairs on one of ``work``'s ordinary batches each: without the
     loop (A) and with it (B) as ``A B``, ``B A``, then the control, twice without (X, Y), as
     ``X Y``, ``Y X``; the halves swap places every other round. Each side runs first on a new
-    batch as often as second, and after its own kind as often as after the other, so what the
-    batch before leaves in the caches falls on both sides alike, and so does a drift in the
-    machine's speed; and one model, optimizer and scaler run both sides, so nothing that
-    differs between two arms' copies (where their memory lies) enters the ratio. Per block of
-    :data:`ROUND_BLOCK` rounds, the fastest B over the fastest A (Y over X); the median and
+    batch as often as second, so what the batch before leaves in the caches falls on both
+    sides alike, and so does a drift in the machine's speed; and one model, optimizer and
+    scaler run both sides, so nothing that differs between two arms' copies (where their
+    memory lies) enters the ratio. Per block of :data:`ROUND_BLOCK` rounds, the fastest B over
+    the fastest A, the fastest Y over the fastest X, and the first over the second: B and Y
+    run in the same places, and the control read 0.98 to 0.998 where it should read 1 (what a
+    place in the round does to a batch's time, which this takes out); the median and
     quartiles over blocks. A round with a try that was skipped or replayed, or that a
     measuring policy measured (``policy.measures``: about sixty more ops), is left out: that
     is not a clean batch. ``None``: fewer than two blocks."""
@@ -588,11 +594,12 @@ def time_attempts(
             kept += 1
             for side, total in times.items():
                 sides[side].append(total)
-    cost = block_ratios(sides["B"], sides["A"], ROUND_BLOCK)
+    raw = block_ratios(sides["B"], sides["A"], ROUND_BLOCK)
     control = block_ratios(sides["Y"], sides["X"], ROUND_BLOCK)
-    if len(cost) < 2:
+    if len(raw) < 2:
         return None
-    return Paired(quartiles(cost), quartiles(control), kept, len(cost))
+    cost = [ours / theirs for ours, theirs in zip(raw, control, strict=True)]
+    return Paired(quartiles(cost), quartiles(raw), quartiles(control), kept, len(raw))
 
 
 # ---------------------------------------------------------------------------- the table
@@ -713,6 +720,7 @@ def summarize(
         paired = timing.get(name)
         rows[name]["attempts_cost"] = None if paired is None else paired.cost[0]
         rows[name]["attempts_cost_quartiles"] = None if paired is None else list(paired.cost[1:])
+        rows[name]["attempts_cost_raw"] = None if paired is None else paired.raw[0]
         rows[name]["control"] = None if paired is None else paired.control[0]
         rows[name]["control_quartiles"] = None if paired is None else list(paired.control[1:])
         rows[name]["timed_rounds"] = None if paired is None else paired.rounds
@@ -789,9 +797,10 @@ def checks(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
                 + (
                     "not timed"
                     if rows[arm]["attempts_cost"] is None
-                    else "{:.4f} (quartiles {:.4f} {:.4f}; control {:.4f})".format(
+                    else "{:.4f} (quartiles {:.4f} {:.4f}; {:.4f} over a control of {:.4f})".format(
                         rows[arm]["attempts_cost"],
                         *rows[arm]["attempts_cost_quartiles"],
+                        rows[arm]["attempts_cost_raw"],
                         rows[arm]["control"],
                     )
                 ),

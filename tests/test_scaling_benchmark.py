@@ -128,3 +128,25 @@ def test_the_same_model_timing_leaves_out_measured_rounds() -> None:
     assert young is None
     # The trained arm itself is left as it was: the timing runs on a copy.
     assert trainers["ampscaler"].tally.tries == len(work.batches)
+
+
+def test_the_same_model_timing_takes_out_what_the_places_do(monkeypatch: Any) -> None:
+    """B (the loop) and Y (the control's second side) run in the same places of each round;
+    where those places are 1% faster, the raw ratio reads that too and the cost does not."""
+    scaling = _scaling_module()
+    (work,) = scaling.workloads(6, {"mlp"}, 0, 2)
+    trainers = scaling.run_workload(work, 1000)
+    places = iter(range(10**6))
+
+    def fake(work: Any, trainer: Any, batch: Any, loop: bool) -> tuple[float, bool]:
+        fast = next(places) % 4 in (1, 2)  # the second and third of each half
+        return (0.99 if fast else 1.0) + (0.02 if loop else 0.0), True
+
+    monkeypatch.setattr(scaling, "timed_try", fake)
+    arm = {arm.name: arm for arm in scaling.ARMS}["torch+attempts"]
+    rounds = 2 * scaling.ROUND_BLOCK
+    paired = scaling.time_attempts(work, trainers["ampscaler"], arm, rounds, 1e9)
+    assert paired is not None
+    assert paired.control[0] == pytest.approx(0.99)
+    assert paired.raw[0] == pytest.approx(1.01)
+    assert paired.cost[0] == pytest.approx(1.01 / 0.99)
