@@ -54,9 +54,8 @@ says when two standard errors are too wide to tell 1%.
 
 What ``attempts()`` costs a clean batch is timed on one model (:func:`time_attempts`): after
 training, a copy of the arm without the loop runs pairs of batches without and with it, and
-a control pairs it with itself in the same places; per block of rounds the fastest of each
-side, and the loop's ratio over the control's (a place in the round has a bias of its own: the
-control read 0.98 to 0.998 where it should read 1). Timed between
+a control pairs it with itself in the same places (what the method reads where there is
+nothing to find); per block of rounds the fastest of each side. Timed between
 two arms instead (``attempts_cost_between_arms`` in ``--json``), the ratio also carries
 whatever differs between two copies of a model, and read 1.007 to 1.027 on the MLPs where
 the loop's own Python is some 0.13% of a batch.
@@ -496,21 +495,19 @@ def check_bitwise(trainers: list[Trainer]) -> None:
 #: many ...
 ROUNDS = 1000
 #: ... or until the timed batches took this many seconds of thread time (--timing-seconds).
-TIMING_SECONDS = 10.0
+TIMING_SECONDS = 25.0
 #: Rounds per block: a block's ratio is of its fastest batches, one side's over the other's.
-ROUND_BLOCK = 25
+ROUND_BLOCK = 24
 
 
 @dataclass
 class Paired:
     """What ``attempts()`` costs a clean batch, timed on one model (:func:`time_attempts`),
-    each as the median and quartiles over blocks: ``raw``, the time with the loop over the
+    each as the median and quartiles over blocks: ``cost``, the time with the loop over the
     time without it; ``control``, without over without in the same places (what the method
-    reads where there is nothing to find: the places' own bias); ``cost``, each block's raw
-    ratio over its control's (the bias taken out)."""
+    reads where there is nothing to find: its noise)."""
 
     cost: tuple[float, float, float]
-    raw: tuple[float, float, float]
     control: tuple[float, float, float]
     rounds: int  # the rounds kept: every try clean and none measured
     blocks: int
@@ -550,18 +547,17 @@ def time_attempts(
     trained arm without the loop: its weights, its optimizer's state, its scaler's state in a
     new scaler of ``arm``'s kind) runs up to ``rounds`` rounds (or ``seconds`` of timed thread
     time) of eight batches, in pairs on one of ``work``'s ordinary batches each: without the
-    loop (A) and with it (B) as ``A B``, ``B A``, then the control, twice without (X, Y), as
-    ``X Y``, ``Y X``; the halves swap places every other round. Each side runs first on a new
-    batch as often as second, so what the batch before leaves in the caches falls on both
-    sides alike, and so does a drift in the machine's speed; and one model, optimizer and
-    scaler run both sides, so nothing that differs between two arms' copies (where their
-    memory lies) enters the ratio. Per block of :data:`ROUND_BLOCK` rounds, the fastest B over
-    the fastest A, the fastest Y over the fastest X, and the first over the second: B and Y
-    run in the same places, and the control read 0.98 to 0.998 where it should read 1 (what a
-    place in the round does to a batch's time, which this takes out); the median and
-    quartiles over blocks. A round with a try that was skipped or replayed, or that a
-    measuring policy measured (``policy.measures``: about sixty more ops), is left out: that
-    is not a clean batch. ``None``: fewer than two blocks."""
+    loop (A) and with it (B) as ``A B``, ``B A``, and the control, twice without (X, Y), as
+    ``X Y``, ``Y X``; from round to round the halves and the pairs within them swap places, so
+    that over four rounds every side runs in every place once: what the batch before leaves in
+    the caches, a new batch's first pass, and a drift in the machine's speed fall on both sides
+    alike (with ``A B B A`` on one batch, the control read 0.993 to 0.995 on the MLP: the
+    middle places ran warm); and one model, optimizer and scaler run both sides, so nothing
+    that differs between two arms' copies (where their memory lies) enters the ratio. Per
+    block of :data:`ROUND_BLOCK` rounds, the fastest B over the fastest A and the fastest Y
+    over the fastest X; the median and quartiles over blocks. A round with a try that was
+    skipped or replayed, or that a measuring policy measured (``policy.measures``: about sixty
+    more ops), is left out: that is not a clean batch. ``None``: fewer than two blocks."""
     model = copy.deepcopy(twin.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=work.lr)
     optimizer.load_state_dict(twin.optimizer.state_dict())
@@ -574,14 +570,19 @@ def time_attempts(
     iteration = int(saved.get("headroom", {}).get("iteration", 0))
     ordinary = [batch for batch in work.batches if not batch.outlier]
     sides: dict[str, list[float]] = {"A": [], "B": [], "X": [], "Y": []}
-    plan = ("AB", "BA", "XY", "YX")
+    plans = (
+        ("AB", "BA", "XY", "YX"),
+        ("XY", "YX", "AB", "BA"),
+        ("BA", "AB", "YX", "XY"),
+        ("YX", "XY", "BA", "AB"),
+    )  # every side in every place of a round, once per four rounds
     spent, kept, batch_number = 0.0, 0, 0
     for number in range(rounds):
         if spent >= seconds:
             break
         times: dict[str, float] = dict.fromkeys(sides, 0.0)
         clean = True
-        for pair in plan if number % 2 == 0 else plan[2:] + plan[:2]:
+        for pair in plans[number % len(plans)]:
             batch = ordinary[batch_number % len(ordinary)]
             batch_number += 1
             for side in pair:
@@ -594,12 +595,11 @@ def time_attempts(
             kept += 1
             for side, total in times.items():
                 sides[side].append(total)
-    raw = block_ratios(sides["B"], sides["A"], ROUND_BLOCK)
+    cost = block_ratios(sides["B"], sides["A"], ROUND_BLOCK)
     control = block_ratios(sides["Y"], sides["X"], ROUND_BLOCK)
-    if len(raw) < 2:
+    if len(cost) < 2:
         return None
-    cost = [ours / theirs for ours, theirs in zip(raw, control, strict=True)]
-    return Paired(quartiles(cost), quartiles(raw), quartiles(control), kept, len(raw))
+    return Paired(quartiles(cost), quartiles(control), kept, len(cost))
 
 
 # ---------------------------------------------------------------------------- the table
@@ -720,7 +720,6 @@ def summarize(
         paired = timing.get(name)
         rows[name]["attempts_cost"] = None if paired is None else paired.cost[0]
         rows[name]["attempts_cost_quartiles"] = None if paired is None else list(paired.cost[1:])
-        rows[name]["attempts_cost_raw"] = None if paired is None else paired.raw[0]
         rows[name]["control"] = None if paired is None else paired.control[0]
         rows[name]["control_quartiles"] = None if paired is None else list(paired.control[1:])
         rows[name]["timed_rounds"] = None if paired is None else paired.rounds
@@ -797,11 +796,11 @@ def checks(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
                 + (
                     "not timed"
                     if rows[arm]["attempts_cost"] is None
-                    else "{:.4f} (quartiles {:.4f} {:.4f}; {:.4f} over a control of {:.4f})".format(
+                    else "{:.4f} (quartiles {:.4f} {:.4f}; control {:.4f}, {:.4f}-{:.4f})".format(
                         rows[arm]["attempts_cost"],
                         *rows[arm]["attempts_cost_quartiles"],
-                        rows[arm]["attempts_cost_raw"],
                         rows[arm]["control"],
+                        *rows[arm]["control_quartiles"],
                     )
                 ),
                 rows[arm]["attempts_cost"] is not None and rows[arm]["attempts_cost"] <= 1.01,
