@@ -6,8 +6,10 @@ float16 autocast on the CPU (one thread, fixed seeds):
 - ``text-lm``: a character-level causal transformer LM on the text of Python's standard library
   sources (read from this interpreter's ``Lib``: real text, available offline), mean
   cross-entropy, AdamW;
-- ``gpt2``: a transformers GPT-2 built from a config (no download) on the text of ampscaler's
-  own docs, mean cross-entropy, AdamW (left out, and said so, without transformers);
+- ``gpt2``: a transformers GPT-2 built from a config (no download) on the text of the standard
+  library's packages (``Lib/*/*.py``: other text than ``text-lm``'s, and fixed, where
+  ampscaler's own docs, its text before, changed its batches with every edit), mean
+  cross-entropy, AdamW (left out, and said so, without transformers);
 - ``pg-outliers``: the ``text-lm`` model trained by a policy-gradient loss,
   ``-(advantage * log p(next character))``, with one advantage per sequence, ``1 + t`` for a
   Student's t with 2 degrees of freedom (heavy-tailed: infinite variance), and every 30th
@@ -128,22 +130,18 @@ class Workload:
 # ---------------------------------------------------------------------------- data
 
 
-def stdlib_text(size: int) -> bytes:
-    """The first ``size`` bytes of the standard library's sources, in file name order."""
+def stdlib_text(size: int, pattern: str = "*.py") -> bytes:
+    """The first ``size`` bytes of the standard library's sources matching ``pattern`` (relative
+    to its ``Lib``; installed packages left out), in path order: fixed for a Python version."""
     root = Path(os.__file__).parent
     out = bytearray()
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.glob(pattern)):
+        if "site-packages" in path.relative_to(root).parts:
+            continue
         out += path.read_bytes()
         if len(out) >= size:
             break
     return bytes(out[:size])
-
-
-def docs_text(size: int) -> bytes:
-    """ampscaler's docs (docs/*.md), repeated to ``size`` bytes if they are shorter."""
-    root = Path(__file__).resolve().parent.parent / "docs"
-    text = b"".join(path.read_bytes() for path in sorted(root.glob("*.md")))
-    return (text * (size // max(len(text), 1) + 1))[:size]
 
 
 def text_batches(
@@ -298,7 +296,8 @@ def workloads(steps: int, chosen: set[str] | None, seed: int, held_out: int) -> 
         except ImportError:
             print("gpt2: left out (transformers is not installed)")
         else:
-            train, held = text_batches(docs_text(size), steps, rows, context, data + 3, held_out)
+            code = stdlib_text(size, "*/*.py")  # the packages' sources: other text than text-lm's
+            train, held = text_batches(code, steps, rows, context, data + 3, held_out)
             out.append(Workload("gpt2", gpt2, train, held, mean_ce, held_out_ce, 3e-3))
     train, held = teacher_batches(steps, 64, data + 4, held_out)
     if wanted("tiny-loss"):

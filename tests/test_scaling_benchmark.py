@@ -151,3 +151,16 @@ def test_the_same_model_timing_puts_every_side_in_every_place(monkeypatch: Any) 
     # Each block's fastest: both sides in the fast places, the loop 0.02 slower per batch.
     assert paired.cost[0] == pytest.approx((2 * 0.99 + 0.04) / (2 * 0.99))
     assert paired.control[0] == pytest.approx(1.0)
+
+
+def test_gpt2_trains_on_the_standard_librarys_packages_not_on_our_docs() -> None:
+    """gpt2's batches come from text fixed for a Python version (its packages' sources), so
+    an edit of docs/ leaves the benchmark's numbers alone (they came from docs/*.md)."""
+    pytest.importorskip("transformers")
+    scaling = _scaling_module()
+    (work,) = scaling.workloads(5, {"gpt2"}, 0, 2)
+    text = scaling.stdlib_text(400_000, "*/*.py")
+    train, held = scaling.text_batches(text, 5, 8, 32, 3, 2)
+    for ours, theirs in zip(work.batches + work.held_out, train + held, strict=True):
+        assert torch.equal(ours.inputs, theirs.inputs)
+    assert b"site-packages" not in text and b"HeadroomPolicy" not in text
