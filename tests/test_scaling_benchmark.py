@@ -7,8 +7,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,3 +63,104 @@ def test_attempts_cost_pairs_block_minima_on_batches_both_ran_clean() -> None:
     cost = scaling.attempts_cost(ours, twin)
     assert cost is not None and cost[0] == pytest.approx(1.02)
     assert scaling.attempts_cost(ours, scaling.Tally()) is None  # no pair: nothing to say
+
+
+def _scaling_module() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import scaling
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return scaling
+
+
+def test_seeds_move_the_weights_and_the_data_and_seed_0_keeps_the_batches() -> None:
+    """--seeds: seed 0 trains on the batches of the runs before seeds, whatever --held-out;
+    another seed draws other batches and other initial weights."""
+    scaling = _scaling_module()
+    (four,) = scaling.workloads(5, {"mlp"}, 0, 4)
+    (many,) = scaling.workloads(5, {"mlp"}, 0, 32)
+    (other,) = scaling.workloads(5, {"mlp"}, 1, 4)
+    assert len(four.held_out) == 4 and len(many.held_out) == 32
+    for a, b in zip(four.batches, many.batches, strict=True):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+    assert not torch.equal(four.batches[0].inputs, other.batches[0].inputs)
+    first, second = four.build(four.seed), other.build(other.seed)
+    assert other.seed == 1
+    assert not torch.equal(next(first.parameters()), next(second.parameters()))
+
+
+def test_held_out_ratio_errors_over_the_set_and_over_seeds() -> None:
+    scaling = _scaling_module()
+    # ours = 2 * theirs on every batch: the ratio is exact, its sampling error 0.
+    assert scaling.held_out_error([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == pytest.approx(0.0)
+    # ours - 1.0 * theirs = [+1, -1] / mean(theirs) = 2: stdev sqrt(2) / (sqrt(2) * 2).
+    assert scaling.held_out_error([3.0, 1.0], [2.0, 2.0]) == pytest.approx(0.5)
+    assert scaling.over_seeds([1.0]) == (1.0, None)
+    mean, error = scaling.over_seeds([0.98, 1.02])
+    assert mean == pytest.approx(1.0) and error == pytest.approx(0.02)
+
+
+def test_block_ratios_take_each_sides_fastest_per_block() -> None:
+    scaling = _scaling_module()
+    ours = [1.1, 5.0, 1.2, 2.2, 2.4, 9.0]
+    theirs = [7.0, 1.0, 1.0, 2.0, 8.0, 2.0]
+    assert scaling.block_ratios(ours, theirs, 3) == pytest.approx([1.1, 1.1])
+    assert scaling.block_ratios(ours, theirs, 4) == pytest.approx([1.1])  # the rest left out
+
+
+def test_the_same_model_timing_leaves_out_measured_rounds() -> None:
+    """attempts()'s cost is timed on one copy of the arm without the loop: every round kept
+    under torch's rule; none while HeadroomPolicy measures every iteration (its young
+    history), since a measured iteration is not a clean batch's cost."""
+    scaling = _scaling_module()
+    torch.set_num_threads(1)
+    (work,) = scaling.workloads(6, {"mlp"}, 0, 2)
+    trainers = scaling.run_workload(work, 1000)
+    arms = {arm.name: arm for arm in scaling.ARMS}
+    rounds = 2 * scaling.ROUND_BLOCK
+    paired = scaling.time_attempts(work, trainers["ampscaler"], arms["torch+attempts"], rounds, 1e9)
+    assert paired is not None and paired.rounds == rounds and paired.blocks == 2
+    assert all(value > 0 for value in (*paired.cost, *paired.control))
+    young = scaling.time_attempts(
+        work, trainers["headroom"], arms["headroom+attempts"], rounds, 1e9
+    )
+    assert young is None
+    # The trained arm itself is left as it was: the timing runs on a copy.
+    assert trainers["ampscaler"].tally.tries == len(work.batches)
+
+
+def test_the_same_model_timing_puts_every_side_in_every_place(monkeypatch: Any) -> None:
+    """Over four rounds the loop's side (B) and the control's (Y) run in every place of a
+    round: where the middle of each half runs 1% faster, the cost still reads the loop's own
+    time, and the control 1 (A B B A in every round read 1.01 and 0.99)."""
+    scaling = _scaling_module()
+    (work,) = scaling.workloads(6, {"mlp"}, 0, 2)
+    trainers = scaling.run_workload(work, 1000)
+    places = iter(range(10**6))
+
+    def fake(work: Any, trainer: Any, batch: Any, loop: bool) -> tuple[float, bool]:
+        fast = next(places) % 4 in (1, 2)  # the second and third of each half
+        return (0.99 if fast else 1.0) + (0.02 if loop else 0.0), True
+
+    monkeypatch.setattr(scaling, "timed_try", fake)
+    arm = {arm.name: arm for arm in scaling.ARMS}["torch+attempts"]
+    rounds = 2 * scaling.ROUND_BLOCK
+    paired = scaling.time_attempts(work, trainers["ampscaler"], arm, rounds, 1e9)
+    assert paired is not None and paired.blocks == 2
+    # Each block's fastest: both sides in the fast places, the loop 0.02 slower per batch.
+    assert paired.cost[0] == pytest.approx((2 * 0.99 + 0.04) / (2 * 0.99))
+    assert paired.control[0] == pytest.approx(1.0)
+
+
+def test_gpt2_trains_on_the_standard_librarys_packages_not_on_our_docs() -> None:
+    """gpt2's batches come from text fixed for a Python version (its packages' sources), so
+    an edit of docs/ leaves the benchmark's numbers alone (they came from docs/*.md)."""
+    pytest.importorskip("transformers")
+    scaling = _scaling_module()
+    (work,) = scaling.workloads(5, {"gpt2"}, 0, 2)
+    text = scaling.stdlib_text(400_000, "*/*.py")
+    train, held = scaling.text_batches(text, 5, 8, 32, 3, 2)
+    for ours, theirs in zip(work.batches + work.held_out, train + held, strict=True):
+        assert torch.equal(ours.inputs, theirs.inputs)
+    assert b"site-packages" not in text and b"HeadroomPolicy" not in text
