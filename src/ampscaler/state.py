@@ -559,14 +559,7 @@ class ScalerState:
         else:
             self._update_unless(hold, live, found_inf, iteration.measured)
         torch.clamp_min_(live.scale, live.floor)  # the floor (the function: a little faster)
-        counters, vetoes = live.counters, iteration.vetoes
-        if compiling or vetoes or counters._vetoed:
-            counters.record(found_inf, old, vetoes, compiling)
-        else:  # StepCounters.record()'s common case, without a frame of its own
-            counters._found.append(found_inf)
-            counters._old.append(old)
-            if len(counters._found) >= FOLD_EVERY:
-                counters._fold()
+        live.counters.record(found_inf, old, iteration.vetoes, compiling)
         if watch is not None:
             watch.updated(live.scale)
         return live
