@@ -36,6 +36,22 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, factor: float = TINY) -> torc
     return (out - x[:, :4]).square().mean() * factor
 
 
+def _train_with_attempts(
+    scaler: GradScaler,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: int,
+    factor: float = TINY,
+) -> None:
+    """``batches`` batches, each under ``scaler.attempts()``, with the loss times ``factor``."""
+    for x in _batches(batches):
+        for _ in scaler.attempts():
+            opt.zero_grad()
+            scaler.scale(_loss(model, x, factor)).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
 class _Recording(torch.optim.SGD):
     """SGD that records, at each step it takes, how many gradient elements are nonzero."""
 
@@ -109,12 +125,7 @@ def test_a_loss_that_shows_at_scale_1_is_not_vetoed() -> None:
     opt = _Recording(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu", policy=HeadroomPolicy())
     scaler.watch(model)
-    for x in _batches(2):
-        for _ in scaler.attempts():
-            opt.zero_grad()
-            scaler.scale(_loss(model, x, factor=1.0)).backward()
-            scaler.step(opt)
-            scaler.update()
+    _train_with_attempts(scaler, model, opt, 2, factor=1.0)
     assert len(opt.nonzero) == 2
     metrics = scaler.metrics("")
     assert metrics["spike_skips"] == 0 and metrics["flush_skips"] == 0
@@ -127,12 +138,7 @@ def test_gradients_that_stay_zero_at_the_highest_scale_are_not_vetoed_forever() 
     opt = _Recording(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu", policy=HeadroomPolicy(max_scale=2.0**16))
     scaler.watch(model)
-    for x in _batches(3):
-        for _ in scaler.attempts():
-            opt.zero_grad()
-            scaler.scale(_loss(model, x, factor=0.0)).backward()
-            scaler.step(opt)
-            scaler.update()
+    _train_with_attempts(scaler, model, opt, 3, factor=0.0)
     # At 1 vetoed; at 2**16 (the highest) the zeros are stepped.
     assert opt.nonzero == [0, 0, 0]
     with pytest.warns(GradientsFlushedWarning):
@@ -191,12 +197,7 @@ def test_the_step_record_says_flushed_not_spike() -> None:
     history = StepHistory(16)
     scaler.attach(history)
     scaler.watch(model)
-    for x in _batches(2):
-        for _ in scaler.attempts():
-            opt.zero_grad()
-            scaler.scale(_loss(model, x)).backward()
-            scaler.step(opt)
-            scaler.update()
+    _train_with_attempts(scaler, model, opt, 2)
     vetoed, replayed = history.records[0], history.records[1]
     assert vetoed.flushed and not vetoed.spike and not vetoed.skipped
     assert "flushed to zero" in str(vetoed) and "spike guard" not in str(vetoed)
