@@ -101,10 +101,12 @@ def _by_hand(
     """The replay loop of docs/replay.md written by hand over torch's scaler: retry a batch whose
     scaled gradients overflowed; from the third try on, where ``search``, at the scales
     ``retry_scale`` gives; once a batch took more than one retry, put the scale and growth
-    tracker back to where its first overflow left them. Returns the tries used and whether the
-    batch got through on its first retry at the latest."""
+    tracker back to where its first overflow left them, and where not ``search`` (an outlier
+    after a clean batch) the scale back to where the batch started. Returns the tries used and
+    whether the batch got through on its first retry at the latest."""
     first: tuple[float, int] | None = None
     failed = 0.0
+    start = scaler.get_scale()
     for number in range(tries):
         if first is not None and number >= 2 and search:
             failed = retry_scale(failed, tries - number)
@@ -119,7 +121,7 @@ def _by_hand(
         elif number == 1 and not overflow:
             return 2, True
         elif number + 1 == tries or not overflow:
-            scaler._scale.fill_(first[0])  # type: ignore[union-attr]
+            scaler._scale.fill_(first[0] if search else start)  # type: ignore[union-attr]
             scaler._growth_tracker.fill_(first[1])  # type: ignore[union-attr]
             return number + 1, False
     raise AssertionError("unreachable: the last try returns")

@@ -1,6 +1,6 @@
 """Replay that does not cost the run its scale (issue 37): a warm-up far above the ceiling loses
-no batch, an outlier costs one backoff as it does without the loop, and the search below a
-guessed scale is the one ``ampscaler.replay`` documents."""
+no batch, an outlier after a clean batch leaves the run the scale it found, and the search below
+a guessed scale is the one ``ampscaler.replay`` documents."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_a_warm_up_from_2_16_to_a_ceiling_of_2_7_loses_no_batch() -> None:
     assert scaler.metrics()["scaler/replays"] == 2 * 8 + 1
 
 
-def test_an_outlier_under_torchs_rule_costs_one_backoff_as_without_the_loop() -> None:
+def test_an_outlier_after_a_clean_batch_gives_the_run_its_scale_back() -> None:
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
 
     def outlier(batch: int, scale: float) -> bool:
@@ -74,9 +74,51 @@ def test_an_outlier_under_torchs_rule_costs_one_backoff_as_without_the_loop() ->
     assert lost == [False, False, False, True, False, False]
     # The batch before stepped at 2**10: the outlier's tries back off by the policy ...
     assert scales[3] == [2.0**10, 2.0**9, 2.0**8]
-    # ... and the run goes on one backoff below, where torch's scaler goes on after skipping it
-    # (before issue 37: 2**7, one backoff per try).
-    assert scales[4] == [2.0**9] and scaler.get_scale() == 2.0**9
+    # ... and, skipped after them, it leaves the run the scale it found: 2**10, where torch's
+    # scaler goes on at 2**9 after skipping it (before issue 37: 2**7, one backoff per try;
+    # before 0.2's outlier rule: 2**9, and torch's rule regrows only after 2000 clean steps).
+    assert scales[4] == [2.0**10] and scaler.get_scale() == 2.0**10
+    # Its two later tries were replays; the overflow still restarted the growth count.
+    assert scaler.metrics()["scaler/replays"] == 2
+    assert scaler._get_growth_tracker() == 2  # batches 4 and 5
+
+
+def test_an_outlier_stepped_at_a_later_try_also_gives_the_scale_back() -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    scales, lost = _train(scaler, 5, lambda batch, scale: batch == 2 and scale > 2.0**8)
+    assert not any(lost)
+    assert scales[2] == [2.0**10, 2.0**9, 2.0**8]  # stepped at its third try, 2**8
+    assert scales[3] == [2.0**10] and scales[4] == [2.0**10]
+
+
+def test_a_growth_probe_after_a_clean_batch_still_costs_one_backoff() -> None:
+    """One retry is torch's scaler under a loop by hand: the outlier rule is not for it."""
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    scales, lost = _train(scaler, 4, lambda batch, scale: batch == 1 and scale > 2.0**9)
+    assert not any(lost) and scales[1] == [2.0**10, 2.0**9]
+    assert scales[2] == [2.0**9] and scaler.get_scale() == 2.0**9
+
+
+def test_gradients_that_grow_for_good_take_the_run_down_one_backoff_per_batch() -> None:
+    """An 'outlier' that is the new normal: the batch after it searches (the scale it was
+    given back was not carried by a batch), and the run comes down to where the batches fit,
+    each batch stepped."""
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    scales, lost = _train(scaler, 8, lambda batch, scale: batch >= 2 and scale > 2.0**7)
+    assert scales[:2] == [[2.0**10], [2.0**10]]
+    # Batch 2 looks like an outlier (the batch before stepped at 2**10): skipped after its
+    # tries, as torch's scaler skips it, and the run is given 2**10 back ...
+    assert scales[2] == [2.0**10, 2.0**9, 2.0**8] and lost[2]
+    # ... but nothing carried 2**10 since: batch 3 searches (its last try at the floor, 1) and
+    # keeps one backoff, as does batch 4; batch 5 is a growth probe's equal, then none retries.
+    assert scales[3:] == [
+        [2.0**10, 2.0**9, 1.0],
+        [2.0**9, 2.0**8, 1.0],
+        [2.0**8, 2.0**7],
+        [2.0**7],
+        [2.0**7],
+    ]
+    assert lost[3:] == [False] * 5 and scaler.get_scale() == 2.0**7
 
 
 def test_a_replayed_headroom_batch_leaves_the_meter_on_the_policys_schedule() -> None:

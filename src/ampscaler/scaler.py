@@ -812,15 +812,17 @@ class GradScaler(TorchPrivateNames):
         The backoffs a batch takes are the batch's (:mod:`ampscaler.replay`): the second try
         runs where the policy's reaction to the overflow put the scale, so a batch that one
         retry gets through (a growth probe) equals torch's scaler driven by the same loop
-        written by hand, bit for bit. A batch that overflows again leaves, once done (stepped
-        or skipped), the policy's state where its first overflow left it: one backoff below
-        its start, as a skipped batch without the loop. Its later tries run at the policy's
-        further backoffs when the batch before stepped at the run's scale (this batch is
-        larger than the run's: an outlier, skipped after ``max_attempts`` as torch skips it),
-        and otherwise, while the scale is still a guess (the first batch, and after a batch
-        that needed more), at scales that bisect in binades down to 1, the last try at 1
-        (:func:`~ampscaler.replay.retry_scale`): a warm-up from ``2**16`` to a ceiling of
-        ``2**7`` loses no batch at the default ``max_attempts``. A try whose steps a hook vetoed
+        written by hand, bit for bit. A batch that overflows again is one of two kinds. When
+        the batch before stepped at a scale the policy set, that scale carries the run's
+        batches and this one is larger: an outlier. Its later tries run at the policy's
+        further backoffs, after ``max_attempts`` it is skipped as torch skips it, and once
+        done it leaves the policy's state where its first overflow left it but with the scale
+        it started at (the outlier is the batch's, not the run's). Otherwise the scale is
+        still a guess (the first batch, and after a batch that needed more): its later tries
+        bisect in binades down to 1, the last try at 1
+        (:func:`~ampscaler.replay.retry_scale`), and once done it leaves the policy's state
+        one backoff below its start, as a skipped batch without the loop: a warm-up from
+        ``2**16`` to a ceiling of ``2**7`` loses no batch at the default ``max_attempts``. A try whose steps a hook vetoed
         with a :class:`~ampscaler.hooks.Veto` that says ``replay`` (and no other veto fired)
         runs again within ``max_attempts`` at the scale the update left; nothing is rewound: a
         measuring policy's meter vetoes so where every measured gradient flushed to zero
@@ -832,7 +834,9 @@ class GradScaler(TorchPrivateNames):
         What it reads from the device: nothing after a try whose plain optimizers all stepped
         (their step already read the flag); one read (the iteration's flags) after a skipped
         try, and after every try that steps a fused optimizer (whose kernel decided alone);
-        and, for a batch that overflows twice, the policy's state once (to return to it).
+        and, for a batch that overflows twice, the policy's state once (to return to it) and,
+        after a clean batch, the scale it started at (kept on the device by one small copy
+        per batch that follows a clean one).
         With a ``process_group`` the decision comes from values agreed across the ranks, so
         every rank replays or none.
 
@@ -871,6 +875,9 @@ class GradScaler(TorchPrivateNames):
         first_backoff: HostState | None = None  # the state the first overflow left
         search = not self._last_batch_clean  # the run's scale is a guess: search below it
         self._last_batch_clean = False
+        # The scale a batch after a clean one starts at: an outlier among such batches gives
+        # it back (a device copy, read only then).
+        start = None if search or not self._enabled else self._state.scale_copy()
         failed = 0.0  # the scale of the last try that overflowed
         first = 0  # the number of the first try that overflowed
         for number in range(limit):
@@ -908,7 +915,8 @@ class GradScaler(TorchPrivateNames):
                     self._last_batch_clean = True
                     return  # one retry got it through: torch's scaler under a loop by hand
                 if last or not overflowed:
-                    self._rewind(first_backoff, first_backoff.scale)
+                    kept = first_backoff.scale if start is None else float(start)
+                    self._rewind(first_backoff, kept)
                     return
             self._state.count_replay()
 

@@ -485,6 +485,12 @@ class ScalerState:
         self._saw(value)
         return value
 
+    def scale_copy(self) -> float | torch.Tensor:
+        """The scale as it is now, kept from later updates: a Python float before it lives on
+        a device, else a copy of the device tensor (one small op, no host sync)."""
+        live = self.live
+        return self._host.scale if live is None or not self._used else live.scale.clone()
+
     def growth_tracker_value(self) -> int:
         """torch's growth tracker as an int (a host sync once it lives on a device)."""
         live = self.live
