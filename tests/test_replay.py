@@ -96,17 +96,19 @@ def _by_hand(
     plan: Plan,
     batch: int,
     tries: int,
-    search: bool,
-) -> tuple[int, bool]:
+    carried: float | None,
+) -> tuple[int, float | None]:
     """The replay loop of docs/replay.md written by hand over torch's scaler: retry a batch whose
     scaled gradients overflowed; from the third try on, where ``search``, at the scales
     ``retry_scale`` gives; once a batch took more than one retry, put the scale and growth
-    tracker back to where its first overflow left them, and where not ``search`` (an outlier
-    after a clean batch) the scale back to where the batch started. Returns the tries used and
-    whether the batch got through on its first retry at the latest."""
+    tracker back to where its first overflow left them, and for an outlier (the batch started
+    at ``carried``, the scale the batch before stepped at) the scale back to where it started;
+    the later tries search only where it is not an outlier. Returns the tries used and the
+    scale the batch stepped at where it got through on its first retry at the latest."""
     first: tuple[float, int] | None = None
     failed = 0.0
     start = scaler.get_scale()
+    search = carried != start
     for number in range(tries):
         if first is not None and number >= 2 and search:
             failed = retry_scale(failed, tries - number)
@@ -115,15 +117,15 @@ def _by_hand(
         overflow = _try(scaler, model, opts, plan, batch, number)
         if first is None:
             if number + 1 == tries or not overflow:
-                return number + 1, not overflow
+                return number + 1, None if overflow else start
             first = (scaler.get_scale(), int(scaler._get_growth_tracker()))
             failed = first[0]
         elif number == 1 and not overflow:
-            return 2, True
+            return 2, first[0]
         elif number + 1 == tries or not overflow:
             scaler._scale.fill_(first[0] if search else start)  # type: ignore[union-attr]
             scaler._growth_tracker.fill_(first[1])  # type: ignore[union-attr]
-            return number + 1, False
+            return number + 1, None
     raise AssertionError("unreachable: the last try returns")
 
 
@@ -133,11 +135,11 @@ def _run(factory: Callable[[], Any], kind: str, plan: Plan, tries: int = 3) -> R
     opts = _optimizers(model, kind)
     scaler = factory()
     result = Result([], [], [])
-    clean = False  # the last batch got through on the first retry at the latest
+    carried: float | None = None  # the scale the last batch stepped at (first or second try)
     for batch in range(plan.batches):
         used = 0
         if isinstance(scaler, torch.amp.GradScaler):  # the loop a user writes by hand
-            used, clean = _by_hand(scaler, model, opts, plan, batch, tries, search=not clean)
+            used, carried = _by_hand(scaler, model, opts, plan, batch, tries, carried)
         else:
             for attempt in scaler.attempts(max_attempts=tries):
                 used += 1

@@ -99,6 +99,30 @@ def test_a_growth_probe_after_a_clean_batch_still_costs_one_backoff() -> None:
     assert scales[2] == [2.0**9] and scaler.get_scale() == 2.0**9
 
 
+def test_a_scale_no_batch_carried_yet_is_searched_below_not_an_outlier() -> None:
+    """After a growth, the scale has carried no batch: a batch that overflows there twice is
+    not taken for an outlier (it would be lost at 2**9) but searched, and keeps one backoff."""
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scales, lost = _train(scaler, 5, lambda batch, scale: batch == 2 and scale > 2.0**8)
+    assert not any(lost)
+    assert scales[2] == [2.0**11, 2.0**10, RETRY_FLOOR]  # grown after two clean batches
+    assert scales[3] == scales[4] == [2.0**10]  # one backoff below 2**11, then two clean
+
+
+def test_headroom_s_first_jump_is_searched_below_when_the_next_batch_overflows_twice() -> None:
+    """Issue 37's seventh finding: HeadroomPolicy measures at its first scale, jumps, and the
+    batch after the jump overflows (the first optimizer steps grew the gradients past the
+    margin). No batch carried the jump, so that batch is searched, not lost as an outlier."""
+    policy = ampscaler.HeadroomPolicy(first_scale=1.0)
+    scaler = ampscaler.GradScaler("cpu", policy=policy)
+    scales, lost = _train(scaler, 4, lambda batch, scale: batch == 1 and scale > 2.0**10)
+    assert not any(lost)
+    jump = scales[1][0]
+    assert scales[0] == [1.0] and jump > 2.0**12  # the measured jump, far above the fit
+    assert scales[1] == [jump, jump / 2, RETRY_FLOOR]
+    assert scales[2][0] == jump / 2  # one backoff below the batch's start, as a search keeps
+
+
 def test_gradients_that_grow_for_good_take_the_run_down_one_backoff_per_batch() -> None:
     """An 'outlier' that is the new normal: the batch after it searches (the scale it was
     given back was not carried by a batch), and the run comes down to where the batches fit,

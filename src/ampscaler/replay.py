@@ -10,24 +10,25 @@ above its ceiling (a warm-up from 2**16). Halving once per try, as a loop by han
 every try on one binade and leaves the run's scale as many binades down as the batch took
 tries. So:
 
-* when the batch before stepped at a scale the policy set (its first or second try), that
-  scale carries the run's batches and this one is larger: an *outlier*. Its later tries run
-  where the policy's further backoffs put them, after ``max_attempts`` it is skipped, as
+* when the batch started at the scale the batch before stepped at (its first or second try),
+  that scale carries the run's batches and this one is larger: an *outlier*. Its later tries
+  run where the policy's further backoffs put them, after ``max_attempts`` it is skipped, as
   torch's scaler skips it (an RL batch with 1000x advantages is not pushed through at scale
   1), and once it is done, stepped or not, the policy's state is what the first try's
   overflow left but with the scale the batch started at: the outlier's backoffs are all the
   batch's. (Left one backoff down, as torch's scaler leaves a skipped batch, a run whose
   outliers overflow keeps losing a binade to each, regrowing only after ``growth_interval``
   clean steps; and whichever outliers happen to overflow decides how low it sits.)
-* otherwise the run's scale is still a guess (the first batch under the loop, or after a
-  batch that needed more): the later tries *search*, bisecting in binades the distance
-  between the scale that last overflowed and a floor of 1 (where float16 training without
-  scaling runs), the last try at the floor itself, so a batch that fits float16 unscaled gets
-  through whatever the scale started at. Once the batch is done, the policy's state is what
-  the first try's overflow left: one backoff below the batch's start, the state a skipped
-  batch leaves without ``attempts()``, so a run whose gradients grew for good comes down a
-  backoff per batch. Every search scale is the overflowed scale times a power of two
-  (``2**-k``): unscaling stays as exact as at the run's own scale.
+* otherwise the run's scale is a guess no batch carried yet (the first batch under the loop,
+  after a growth or a measured policy's jump, after a batch that needed more): the later
+  tries *search*, bisecting in binades the distance between the scale that last overflowed
+  and a floor of 1 (where float16 training without scaling runs), the last try at the floor
+  itself, so a batch that fits float16 unscaled gets through whatever the scale started at.
+  Once the batch is done, the policy's state is what the first try's overflow left: one
+  backoff below the batch's start, the state a skipped batch leaves without ``attempts()``,
+  so a run whose gradients grew for good comes down a backoff per batch. Every search scale
+  is the overflowed scale times a power of two (``2**-k``): unscaling stays as exact as at
+  the run's own scale.
 
 Example:
     >>> retry_scale(2.0**15, tries_left=1)      # the last try: the floor

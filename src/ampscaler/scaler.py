@@ -162,6 +162,13 @@ def _distributed_started() -> bool:
 _FIRST_TRIES: dict[int, Attempt] = {}
 
 
+def _carries(carried: float | torch.Tensor | None, start: float | torch.Tensor) -> bool:
+    """``attempts()``: whether the scale a batch started at (``start``) is the one the batch
+    before stepped at (``carried``), so that it carries the run's batches and a batch that
+    overflows twice there is an outlier. Reads the device copies (a host sync each)."""
+    return carried is not None and float(carried) == float(start)
+
+
 def _first_try(limit: int) -> Attempt:
     first = _FIRST_TRIES.get(limit)
     if first is None:
@@ -371,9 +378,9 @@ class GradScaler(TorchPrivateNames):
         self._state = ScalerState(chosen, self._init_scale)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
-        # Whether the last batch under attempts() stepped at a scale the policy set (its first
-        # or second try): the scale its next batch starts from has carried a batch.
-        self._last_batch_clean = False
+        # The scale the last batch under attempts() stepped at, where the policy set it (its
+        # first or second try): a device copy or a float; None where no batch carried one.
+        self._carried: float | torch.Tensor | None = None
         self._hooks = HookList()
         self._observers = self._hooks.add(Monitor())  # reports, sinks...
         self._hooks.add(GuardSet())  # skip rules: costs nothing until it holds a guard
@@ -813,18 +820,19 @@ class GradScaler(TorchPrivateNames):
         runs where the policy's reaction to the overflow put the scale, so a batch that one
         retry gets through (a growth probe) equals torch's scaler driven by the same loop
         written by hand, bit for bit. A batch that overflows again is one of two kinds. When
-        the batch before stepped at a scale the policy set, that scale carries the run's
+        it started at the scale the batch before stepped at, that scale carries the run's
         batches and this one is larger: an outlier. Its later tries run at the policy's
         further backoffs, after ``max_attempts`` it is skipped as torch skips it, and once
-        done it leaves the policy's state where its first overflow left it but with the scale
-        it started at (the outlier is the batch's, not the run's). Otherwise the scale is
-        still a guess (the first batch, and after a batch that needed more): its later tries
-        bisect in binades down to 1, the last try at 1
-        (:func:`~ampscaler.replay.retry_scale`), and once done it leaves the policy's state
-        one backoff below its start, as a skipped batch without the loop: a warm-up from
-        ``2**16`` to a ceiling of ``2**7`` loses no batch at the default ``max_attempts``. A try whose steps a hook vetoed
-        with a :class:`~ampscaler.hooks.Veto` that says ``replay`` (and no other veto fired)
-        runs again within ``max_attempts`` at the scale the update left; nothing is rewound: a
+        done it leaves the policy's state where its first overflow left it but with the
+        scale it started at (the outlier is the batch's, not the run's). Otherwise the scale
+        is a guess no batch carried yet (the first batch, after a growth or a measured jump,
+        after a batch that needed more): its later tries bisect in binades down to 1, the
+        last try at 1 (:func:`~ampscaler.replay.retry_scale`), and once done it leaves the
+        policy's state one backoff below its start, as a skipped batch without the loop: a
+        warm-up from ``2**16`` to a ceiling of ``2**7`` loses no batch at the default
+        ``max_attempts``. A try whose steps a hook vetoed with a
+        :class:`~ampscaler.hooks.Veto` that says ``replay`` (and no other veto fired) runs
+        again within ``max_attempts`` at the scale the update left; nothing is rewound: a
         measuring policy's meter vetoes so where every measured gradient flushed to zero
         (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss), and the
         policy raised the scale.
@@ -834,9 +842,9 @@ class GradScaler(TorchPrivateNames):
         What it reads from the device: nothing after a try whose plain optimizers all stepped
         (their step already read the flag); one read (the iteration's flags) after a skipped
         try, and after every try that steps a fused optimizer (whose kernel decided alone);
-        and, for a batch that overflows twice, the policy's state once (to return to it) and,
-        after a clean batch, the scale it started at (kept on the device by one small copy
-        per batch that follows a clean one).
+        and, for a batch that overflows twice, the policy's state once (to return to it) and
+        the scales it and the batch before started at (kept on the device by one small copy
+        per batch).
         With a ``process_group`` the decision comes from values agreed across the ranks, so
         every rank replays or none.
 
@@ -873,17 +881,19 @@ class GradScaler(TorchPrivateNames):
                 "ran it again alone would leave the others waiting in its collectives (DDP's)."
             )
         first_backoff: HostState | None = None  # the state the first overflow left
-        search = not self._last_batch_clean  # the run's scale is a guess: search below it
-        self._last_batch_clean = False
-        # The scale a batch after a clean one starts at: an outlier among such batches gives
-        # it back (a device copy, read only then).
-        start = None if search or not self._enabled else self._state.scale_copy()
+        # The scale the batch starts at (a device copy: read only at a second overflow) and
+        # the one the batch before stepped at: the same, the scale carries the run's batches.
+        start = self._state.scale_copy() if self._enabled else 1.0
+        carried, self._carried = self._carried, None
+        outlier: bool | None = None  # decided at the batch's second overflow
         failed = 0.0  # the scale of the last try that overflowed
         first = 0  # the number of the first try that overflowed
         for number in range(limit):
-            if first_backoff is not None and number >= first + 2 and search:
-                failed = retry_scale(failed, limit - number)
-                self._rewind(first_backoff, failed)
+            if first_backoff is not None and number >= first + 2:
+                outlier = _carries(carried, start) if outlier is None else outlier
+                if not outlier:  # the scale is a guess: search below it
+                    failed = retry_scale(failed, limit - number)
+                    self._rewind(first_backoff, failed)
             started = self._iteration
             started.attempt = number  # the try at its batch the iteration in progress is
             try:
@@ -902,21 +912,22 @@ class GradScaler(TorchPrivateNames):
                 # Stepped, known on the host (the common case): nothing to read.
                 clean = started.overflow_known() is False and not started.vetoes
                 if not clean and started.vetoed_for_replay():  # again, at the scale it left
+                    carried = None  # that scale is the policy's jump: no batch carried it
                     self._state.count_replay()
                     continue
                 if clean or not self._overflowed(started):
-                    self._last_batch_clean = True
+                    self._carried = start
                     return
                 first_backoff = self._state.snapshot()
                 failed, first = first_backoff.scale, number
             else:
                 overflowed = self._overflowed(started)
                 if number == first + 1 and not overflowed:
-                    self._last_batch_clean = True
+                    self._carried = first_backoff.scale
                     return  # one retry got it through: torch's scaler under a loop by hand
                 if last or not overflowed:
-                    kept = first_backoff.scale if start is None else float(start)
-                    self._rewind(first_backoff, kept)
+                    outlier = _carries(carried, start) if outlier is None else outlier
+                    self._rewind(first_backoff, float(start) if outlier else first_backoff.scale)
                     return
             self._state.count_replay()
 
