@@ -912,7 +912,7 @@ class GradScaler(TorchPrivateNames):
                 # Stepped, known on the host (the common case): nothing to read.
                 clean = started.overflow_known() is False and not started.vetoes
                 if not clean and started.vetoed_for_replay():  # again, at the scale it left
-                    carried = None  # that scale is the policy's jump: no batch carried it
+                    start, carried = self._state.scale_copy(), None  # a jump no batch carried
                     self._state.count_replay()
                     continue
                 if clean or not self._overflowed(started):
