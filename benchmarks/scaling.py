@@ -52,7 +52,9 @@ seed is what counts: a standard deviation of 2.5% on ``pg-outliers`` (HeadroomPo
 ``attempts()`` over torch, 4 seeds: 0.94 to 1.00; torch over fp32 moves more, 6.3%), 0.37%
 on ``gpt2`` (8 seeds; 4.4% on ampscaler's docs, its text before), 0.2% or less on the rest.
 So ``pg-outliers`` runs 4 seeds and ``gpt2`` 8 by default (:data:`SEEDS`), the rest one, and
-the check says when two standard errors are too wide to tell 1%.
+the held-out check asks that HeadroomPolicy with ``attempts()`` end at most 1% above torch's
+(a lower loss is no cost), on the ratio plus two standard errors where seeds measured them, and
+says when those are too wide to tell 1%.
 
 What ``attempts()`` costs a clean batch is timed on one model (:func:`time_attempts`): after
 training, a copy of the arm without the loop runs pairs of batches without and with it, and
@@ -754,18 +756,29 @@ def table(name: str, heading: str, rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def held_out_claim(ratio: float, error: float | None, seeds: int) -> tuple[str, bool]:
+    """The held-out bar: HeadroomPolicy + attempts() ends at most 1% above torch's held-out
+    loss (a lower loss is not a cost), judged on the ratio's upper bound ``ratio + 2 * error``
+    where seeds measured its error (``error`` ``None``: one seed, the ratio itself)."""
+    if error is None:
+        upper, spread = ratio, " (1 seed: its noise not measured)"
+    else:
+        upper, spread = ratio + 2 * error, f" +- {2 * error:.4f} (2 se over {seeds} seeds)"
+    if upper > 1.01 >= ratio:
+        spread += ": too wide to tell 1%"
+    elif ratio < 0.99:
+        spread += f": {1 - ratio:.1%} lower than torch's"
+    return (
+        f"headroom+attempts held-out at most 1% above torch's: {ratio:.4f}{spread}",
+        upper <= 1.01,
+    )
+
+
 def checks(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
     """The issue's bar, per workload: which claims hold (the held-out loss and the loop's cost
     with the numbers they are judged on)."""
     torch_row, ours, rule = rows["torch"], rows["headroom+attempts"], rows["torch+attempts"]
     gap = rule["outlier_gap"]
-    ratio, error = ours["held_out_vs_torch"], ours["held_out_vs_torch_se"]
-    seeds = len(ours["held_out_vs_torch_seeds"])
-    if error is None:
-        spread = " (1 seed: its noise not measured)"
-    else:
-        spread = f" +- {2 * error:.4f} (2 se over {seeds} seeds"
-        spread += "; too wide to tell 1%)" if 2 * error > 0.01 else ")"
     return [
         ("headroom+attempts loses no ordinary batch", ours["lost"] == 0),
         (
@@ -780,9 +793,10 @@ def checks(rows: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
             "  the same without batch 0's probe (HeadroomPolicy's first step runs at scale 1)",
             ours["flushed_from_batch_1"] <= torch_row["flushed_from_batch_1"] + 0.001,
         ),
-        (
-            f"headroom+attempts held-out within 1% of torch: {ratio:.4f}{spread}",
-            abs(ratio - 1) <= 0.01,
+        held_out_claim(
+            ours["held_out_vs_torch"],
+            ours["held_out_vs_torch_se"],
+            len(ours["held_out_vs_torch_seeds"]),
         ),
         ("torch+attempts loses no ordinary batch", rule["lost"] == 0),
         (

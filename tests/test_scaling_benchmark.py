@@ -164,3 +164,13 @@ def test_gpt2_trains_on_the_standard_librarys_packages_not_on_our_docs() -> None
     for ours, theirs in zip(work.batches + work.held_out, train + held, strict=True):
         assert torch.equal(ours.inputs, theirs.inputs)
     assert b"site-packages" not in text and b"HeadroomPolicy" not in text
+
+
+def test_the_held_out_bar_is_a_cost_judged_on_its_upper_bound() -> None:
+    scaling = _scaling_module()
+    assert scaling.held_out_claim(0.9388, 0.0227, 4)[1]  # 6% lower: no cost
+    assert "6.1% lower" in scaling.held_out_claim(0.9388, 0.0227, 4)[0]
+    assert scaling.held_out_claim(1.0000, 0.0013, 8)[1]
+    assert not scaling.held_out_claim(1.02, None, 1)[1]  # 2% above
+    text, met = scaling.held_out_claim(1.0, 0.01, 4)  # could be 2% above
+    assert not met and "too wide to tell 1%" in text
