@@ -874,26 +874,18 @@ class GradScaler(TorchPrivateNames):
                 and a rank that replays alone leaves the others waiting).
         """
         limit = check_attempts(max_attempts)
-        # A rank alone among several is refused: asked only where a process group runs.
-        if self._enabled and self._agreement.ranks is None and _distributed_started():
-            self._agreement.refuse_alone(
-                "attempts() decides on each rank whether to run a batch again, and a rank that "
-                "ran it again alone would leave the others waiting in its collectives (DDP's)."
-            )
+        self._refuse_a_rank_alone()
         first_backoff: HostState | None = None  # the state the first overflow left
         # The scale the batch starts at (a device copy: read only at a second overflow) and
         # the one the batch before stepped at: the same, the scale carries the run's batches.
         start = self._state.scale_copy() if self._enabled else 1.0
         carried, self._carried = self._carried, None
-        outlier: bool | None = None  # decided at the batch's second overflow
-        failed = 0.0  # the scale of the last try that overflowed
-        first = 0  # the number of the first try that overflowed
+        outlier = False  # decided at the batch's second overflow
+        failed, first = 0.0, 0  # the scale of the last try that overflowed, the first's number
         for number in range(limit):
-            if first_backoff is not None and number >= first + 2:
-                outlier = _carries(carried, start) if outlier is None else outlier
-                if not outlier:  # the scale is a guess: search below it
-                    failed = retry_scale(failed, limit - number)
-                    self._rewind(first_backoff, failed)
+            if first_backoff is not None and number >= first + 2 and not outlier:
+                failed = retry_scale(failed, limit - number)  # a guessed scale: search below
+                self._rewind(first_backoff, failed)
             started = self._iteration
             started.attempt = number  # the try at its batch the iteration in progress is
             try:
@@ -925,11 +917,21 @@ class GradScaler(TorchPrivateNames):
                 if number == first + 1 and not overflowed:
                     self._carried = first_backoff.scale
                     return  # one retry got it through: torch's scaler under a loop by hand
+                if number == first + 1:  # the batch's second overflow
+                    outlier = _carries(carried, start)
                 if last or not overflowed:
-                    outlier = _carries(carried, start) if outlier is None else outlier
                     self._rewind(first_backoff, float(start) if outlier else first_backoff.scale)
                     return
             self._state.count_replay()
+
+    def _refuse_a_rank_alone(self) -> None:
+        """``attempts()`` refuses a rank alone among several (asked only where a process group
+        runs)."""
+        if self._enabled and self._agreement.ranks is None and _distributed_started():
+            self._agreement.refuse_alone(
+                "attempts() decides on each rank whether to run a batch again, and a rank that "
+                "ran it again alone would leave the others waiting in its collectives (DDP's)."
+            )
 
     def _rewind(self, to: HostState, scale: float) -> None:
         """``attempts()``: put the policy's state back to ``to`` with the scale ``scale`` (the
