@@ -105,13 +105,8 @@ class StepRecord(Plain):
         return self.new_scale < self.scale
 
     def __str__(self) -> str:
-        move = (
-            f", grew to {self.new_scale:g}"
-            if self.grew
-            else f", backed off to {self.new_scale:g}"
-            if self.backed_off
-            else ""
-        )
+        moved = "grew" if self.grew else "backed off" if self.backed_off else None
+        move = f", {moved} to {self.new_scale:g}" if moved else ""
         replay = f" (attempt {self.attempt + 1} at its batch)" if self.attempt else ""
         text = f"step {self.step}{replay}: scale {self.scale:g}{move}"
         if self.skipped:
