@@ -294,3 +294,31 @@ def test_skipping_the_clamp_never_changes_a_scale(
                 scales.append(scaler._scale.item())
             assert scales[0] == scales[1]
             assert scales[0] >= LOWEST_SCALE
+
+
+@pytest.mark.parametrize(
+    ("in_a_row", "loss_in_a_row", "said"),
+    [
+        (3, 3, " In all of them the loss itself"),
+        (3, 1, " In the latest of them the loss itself"),
+        (3, 2, " In the last 2 of them the loss itself"),
+        (3, 0, " Overflow causes so far: 3 gradients."),
+    ],
+)
+def test_the_floor_alert_says_how_many_of_the_skips_had_a_nonfinite_loss(
+    in_a_row: int, loss_in_a_row: int, said: str
+) -> None:
+    alert = ampscaler.CollapseAlert(
+        first_step=8,
+        last_step=10,
+        scale=LOWEST_SCALE,
+        max_scale=LOWEST_SCALE,
+        skip_rate=1.0,
+        reasons=("floor",),
+        causes={"gradients": 3},
+        in_a_row=in_a_row,
+        loss_in_a_row=loss_in_a_row,
+    )
+    assert "were skipped for inf/NaN." + said in str(alert)
+    if loss_in_a_row:
+        assert str(alert).count("lowering the scale cannot help.") == 1

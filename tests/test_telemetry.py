@@ -255,6 +255,15 @@ def test_record_text_and_dict_round_trip() -> None:
     assert StepRecord.from_dict(record.as_dict()) == record
 
 
+def test_record_text_says_how_the_scale_moved() -> None:
+    def text(new_scale: float) -> str:
+        return str(StepRecord(step=1, scale=4.0, new_scale=new_scale, skipped=False, time=0.0))
+
+    assert text(8.0) == "step 1: scale 4, grew to 8"
+    assert text(2.0) == "step 1: scale 4, backed off to 2"
+    assert text(4.0) == "step 1: scale 4"
+
+
 def test_a_step_history_attaches_like_any_sink_and_history_reads_it() -> None:
     scaler = GradScaler("cpu", growth_interval=2)
     history = scaler.add_sink(ampscaler.StepHistory(3))

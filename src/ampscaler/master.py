@@ -435,11 +435,7 @@ class MasterWeightOptimizer(Optimizer):
             pre_hook(self)
         self._sync_from_model()
         state_dict = self._inner.state_dict()
-        state_dict[_MASTERS_KEY] = {
-            index: tensor.detach()
-            for index, tensor in enumerate(self.master_params())
-            if tensor in self._model_of
-        }
+        state_dict[_MASTERS_KEY] = {i: t.detach() for i, t in self._masters_by_index().items()}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -466,19 +462,18 @@ class MasterWeightOptimizer(Optimizer):
                 state_dict = result
         inner_state_dict = dict(state_dict)
         saved = inner_state_dict.pop(_MASTERS_KEY, None)
-        masters = {i: t for i, t in enumerate(self.master_params()) if t in self._model_of}
-        if saved is None:
-            if masters:
-                warnings.warn(
-                    "MasterWeightOptimizer.load_state_dict: the state dict has no master "
-                    "weights (was it saved from the unwrapped optimizer?). The masters are "
-                    "taken from the model's current weights, so the run will not resume "
-                    "bit for bit.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        else:
+        masters = self._masters_by_index()
+        if saved is not None:
             _check_saved_masters(saved, masters)
+        elif masters:
+            warnings.warn(
+                "MasterWeightOptimizer.load_state_dict: the state dict has no master "
+                "weights (was it saved from the unwrapped optimizer?). The masters are "
+                "taken from the model's current weights, so the run will not resume "
+                "bit for bit.",
+                UserWarning,
+                stacklevel=2,
+            )
         self._inner.load_state_dict(inner_state_dict)
         with torch.no_grad():
             for index, master in masters.items():
@@ -517,6 +512,11 @@ class MasterWeightOptimizer(Optimizer):
             f"  stepped directly (already fp32): {n_direct} params\n"
             f"  inner:\n{inner}\n)"
         )
+
+    def _masters_by_index(self) -> dict[int, Tensor]:
+        """The fp32 masters (not the params stepped directly) by their position among
+        :meth:`master_params`: the numbering of ``"state"`` and of ``"master_weights"``."""
+        return {i: t for i, t in enumerate(self.master_params()) if t in self._model_of}
 
     def _init_hook_registries(self) -> None:
         # What Optimizer.__init__ sets up besides param_groups/state/defaults: the hook

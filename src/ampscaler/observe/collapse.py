@@ -164,16 +164,12 @@ class CollapseAlert:
             )
         else:
             skipped = "; the latest step was not skipped"
-        if self.loss_in_a_row and self.loss_in_a_row >= self.in_a_row:
+        losses = self.loss_in_a_row
+        if losses:
+            which = "the latest" if losses == 1 else f"the last {losses}"
             loss = (
-                " In all of them the loss itself was already inf/NaN before it was scaled: "
-                "lowering the scale cannot help."
-            )
-        elif self.loss_in_a_row:
-            which = "latest" if self.loss_in_a_row == 1 else f"last {self.loss_in_a_row}"
-            loss = (
-                f" In the {which} of them the loss itself was already inf/NaN before it was "
-                "scaled: lowering the scale cannot help."
+                f" In {'all' if losses >= self.in_a_row else which} of them the loss itself was "
+                "already inf/NaN before it was scaled: lowering the scale cannot help."
             )
         else:
             causes = ", ".join(f"{n} {c}" for c, n in sorted(self.causes.items()))

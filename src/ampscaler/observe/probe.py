@@ -401,15 +401,9 @@ class GradientProbe(Hook):
             for (device, _), grads in groups.items():
                 flat = torch.cat(grads).abs_() if len(grads) > 1 else grads[0].abs()
                 at_one = scale.to(device, non_blocking=True) * FLUSH_TO_ZERO
-                self._counts.append(
-                    torch.stack(
-                        [
-                            torch.count_nonzero(flat == 0),
-                            torch.count_nonzero(flat <= FLUSH_TO_ZERO),
-                            torch.count_nonzero(flat <= at_one),
-                        ]
-                    )
-                )
+                # |g| <= each bound: zero; flushed at the scale; flushed at scale 1
+                bounds = (0.0, FLUSH_TO_ZERO, at_one)
+                self._counts.append(torch.stack([torch.count_nonzero(flat <= b) for b in bounds]))
                 self._maxima.append(flat.max().float())
                 self._elements += flat.numel()
 

@@ -105,13 +105,8 @@ class StepRecord(Plain):
         return self.new_scale < self.scale
 
     def __str__(self) -> str:
-        move = (
-            f", grew to {self.new_scale:g}"
-            if self.grew
-            else f", backed off to {self.new_scale:g}"
-            if self.backed_off
-            else ""
-        )
+        moved = "grew" if self.grew else "backed off" if self.backed_off else None
+        move = f", {moved} to {self.new_scale:g}" if moved else ""
         replay = f" (attempt {self.attempt + 1} at its batch)" if self.attempt else ""
         text = f"step {self.step}{replay}: scale {self.scale:g}{move}"
         if self.skipped:
@@ -154,6 +149,9 @@ _UNSET: dict[str, object] = dict(
 )
 _KEPT = object()  # what no value equals
 
+#: What every error reading a log asks for.
+_WANTED = "pass a JSONL log written by ampscaler.JsonlSink."
+
 
 @dataclass(frozen=True)
 class StepLog:
@@ -189,10 +187,7 @@ def load_log(path: str | Path) -> StepLog:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise LogFormatError(
-            f"{path} is not a text file ({error.reason}); pass a JSONL log written by "
-            "ampscaler.JsonlSink."
-        ) from error
+        raise LogFormatError(f"{path} is not a text file ({error.reason}); {_WANTED}") from error
     lines = text.split("\n")
     records = []
     cut_short = False
@@ -206,15 +201,13 @@ def load_log(path: str | Path) -> StepLog:
                 cut_short = True  # the last line: the run stopped while writing it
                 break
             raise LogFormatError(
-                f"{path}, line {number}, is not JSON ({error.msg}); pass a JSONL log written by "
-                "ampscaler.JsonlSink."
+                f"{path}, line {number}, is not JSON ({error.msg}); {_WANTED}"
             ) from error
         records.append(_parse(path, number, data))
     if not records and cut_short:
         raise LogFormatError(
             f"{path} is not an ampscaler step log: its only line is not JSON (binary data, "
-            "another format, or a run killed while writing its first record); pass a JSONL "
-            "log written by ampscaler.JsonlSink."
+            f"another format, or a run killed while writing its first record); {_WANTED}"
         )
     if not records:
         raise LogFormatError(
@@ -230,7 +223,7 @@ def _parse(path: Path, number: int, data: object) -> StepRecord:
     if not isinstance(data, dict) or not isinstance(found, str):
         raise LogFormatError(
             f'{where} is not an ampscaler step record (it has no "format": "{FORMAT}" '
-            "field); pass a JSONL log written by ampscaler.JsonlSink."
+            f"field); {_WANTED}"
         )
     if found != FORMAT:
         newer = (
