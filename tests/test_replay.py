@@ -257,6 +257,42 @@ def test_a_compiled_step_in_the_body_replays_as_the_eager_one() -> None:
         torch._dynamo.reset()
 
 
+def test_a_compiled_step_and_update_judge_an_outlier_as_the_eager_ones() -> None:
+    """Under torch.compile update() defers the policy to the next read (the body's own
+    get_scale() here): the scale a try ran at must still be the one an outlier is given back."""
+
+    def run(compiled: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = ampscaler.GradScaler("cpu", init_scale=2.0**12)
+
+        def step_and_update() -> None:
+            scaler.step(opt)
+            scaler.update()
+
+        finish = torch.compile(step_and_update, backend="eager") if compiled else step_and_update
+        scales = []
+        for batch in range(6):
+            for _ in scaler.attempts():
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(_micro(batch, 0)).float().square().mean()
+                scaler.scale(loss * (2.0**40 if batch == 3 else 1.0)).backward()  # an outlier
+                finish()
+                scales.append(scaler.get_scale())
+        return scales
+
+    torch._dynamo.reset()
+    try:
+        eager, compiled = run(False), run(True)
+    finally:
+        torch._dynamo.reset()
+    assert compiled == eager
+    assert eager[3:6] == [2.0**11, 2.0**10, 2.0**9]  # the outlier's three tries, skipped
+    assert eager[6:] == [2.0**12, 2.0**12]  # ... and the run given its scale back
+
+
 def test_a_checkpoint_between_batches_resumes_the_replays_exactly() -> None:
     plan = Plan(grads={(1, 0), (6, 0), (6, 1)}, batches=9)
     whole = ampscaler.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)

@@ -162,11 +162,16 @@ def _distributed_started() -> bool:
 _FIRST_TRIES: dict[int, Attempt] = {}
 
 
-def _carries(carried: float | torch.Tensor | None, start: float | torch.Tensor) -> bool:
-    """``attempts()``: whether the scale a batch started at (``start``) is the one the batch
-    before stepped at (``carried``), so that it carries the run's batches and a batch that
-    overflows twice there is an outlier. Reads the device copies (a host sync each)."""
-    return carried is not None and float(carried) == float(start)
+def _outlier_start(
+    carried: float | torch.Tensor | None, start: torch.Tensor | None
+) -> float | None:
+    """``attempts()``, at a batch's second overflow: the scale it started at (``start``) where
+    that is the one the batch before stepped at (``carried``), so that the scale carries the
+    run's batches and this batch is an outlier, to be given it back; ``None`` otherwise. Reads
+    the device copies (a host sync each)."""
+    if carried is None or start is None or float(carried) != float(start):
+        return None
+    return float(start)
 
 
 def _first_try(limit: int) -> Attempt:
@@ -722,7 +727,8 @@ class GradScaler(TorchPrivateNames):
         elif compiling and self._defers_update():
             live = self._state.require("update")
             self._state.defer(flags)
-            iteration.scale = live.scale  # the old value, until the update is applied
+            # The copy its unscale made, else the live scale: the old value until applied.
+            iteration.scale = live.scale if iteration.start_scale is None else iteration.start_scale
         else:
             for hook in hooks.before_update:
                 hook.before_update(iteration, self._state.require("update"))
@@ -843,8 +849,7 @@ class GradScaler(TorchPrivateNames):
         (their step already read the flag); one read (the iteration's flags) after a skipped
         try, and after every try that steps a fused optimizer (whose kernel decided alone);
         and, for a batch that overflows twice, the policy's state once (to return to it) and
-        the scales it and the batch before started at (kept on the device by one small copy
-        per batch).
+        the scales it and the batch before started at (the copies their updates made).
         With a ``process_group`` the decision comes from values agreed across the ranks, so
         every rank replays or none.
 
@@ -876,14 +881,14 @@ class GradScaler(TorchPrivateNames):
         limit = check_attempts(max_attempts)
         self._refuse_a_rank_alone()
         first_backoff: HostState | None = None  # the state the first overflow left
-        # The scale the batch starts at (a device copy: read only at a second overflow) and
-        # the one the batch before stepped at: the same, the scale carries the run's batches.
-        start = self._state.scale_copy() if self._enabled else 1.0
+        # The scale the batch started at (its first try's copy, read only at a second overflow)
+        # and the one the batch before stepped at: the same, the batch is an outlier there.
+        start: torch.Tensor | None = None
         carried, self._carried = self._carried, None
-        outlier = False  # decided at the batch's second overflow
+        give_back: float | None = None  # an outlier's start, decided at its second overflow
         failed, first = 0.0, 0  # the scale of the last try that overflowed, the first's number
         for number in range(limit):
-            if first_backoff is not None and number >= first + 2 and not outlier:
+            if first_backoff is not None and number >= first + 2 and give_back is None:
                 failed = retry_scale(failed, limit - number)  # a guessed scale: search below
                 self._rewind(first_backoff, failed)
             started = self._iteration
@@ -895,16 +900,16 @@ class GradScaler(TorchPrivateNames):
                     started.attempt = 0
             if not self._enabled:
                 return
-            if self._finished is not started:
-                self._require_one_update(started)  # raises: not one update() in the body
+            self._require_one_update(started)  # raises: not one update() in the body
             last = number + 1 == limit
             if first_backoff is None:  # no overflow yet
+                start = self._state.kept(started.scale)  # the scale this try ran at
                 if last:
                     return  # max_attempts=1, or flushed to the last: nothing to decide
                 # Stepped, known on the host (the common case): nothing to read.
                 clean = started.overflow_known() is False and not started.vetoes
                 if not clean and started.vetoed_for_replay():  # again, at the scale it left
-                    start, carried = self._state.scale_copy(), None  # a jump no batch carried
+                    carried = None  # the try after runs at a jump no batch carried
                     self._state.count_replay()
                     continue
                 if clean or not self._overflowed(started):
@@ -918,9 +923,9 @@ class GradScaler(TorchPrivateNames):
                     self._carried = first_backoff.scale
                     return  # one retry got it through: torch's scaler under a loop by hand
                 if number == first + 1:  # the batch's second overflow
-                    outlier = _carries(carried, start)
+                    give_back = _outlier_start(carried, start)
                 if last or not overflowed:
-                    self._rewind(first_backoff, float(start) if outlier else first_backoff.scale)
+                    self._rewind(first_backoff, give_back or first_backoff.scale)
                     return
             self._state.count_replay()
 

@@ -485,11 +485,12 @@ class ScalerState:
         self._saw(value)
         return value
 
-    def scale_copy(self) -> float | torch.Tensor:
-        """The scale as it is now, kept from later updates: a Python float before it lives on
-        a device, else a copy of the device tensor (one small op, no host sync)."""
-        live = self.live
-        return self._host.scale if live is None or not self._used else live.scale.clone()
+    def kept(self, scale: torch.Tensor | None) -> torch.Tensor | None:
+        """``scale``, an iteration's scale after ``update()``, as a value later updates leave
+        alone: itself (the copy the update made), or, where a compiled update was deferred and
+        it is still the live scale, a copy of it (one small op, no host sync)."""
+        live = self._live
+        return scale.clone() if live is not None and scale is live.scale else scale
 
     def growth_tracker_value(self) -> int:
         """torch's growth tracker as an int (a host sync once it lives on a device)."""
