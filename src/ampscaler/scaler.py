@@ -169,9 +169,10 @@ def _outlier_start(
     that is the one the batch before stepped at (``carried``), so that the scale carries the
     run's batches and this batch is an outlier, to be given it back; ``None`` otherwise. Reads
     the device copies (a host sync each)."""
-    if carried is None or start is None or float(carried) != float(start):
+    if carried is None or start is None:
         return None
-    return float(start)
+    value = float(start)
+    return value if float(carried) == value else None
 
 
 def _first_try(limit: int) -> Attempt:
