@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ampscaler
 from ampscaler.replay import retry_scale
@@ -34,10 +36,12 @@ class Net(torch.nn.Module):
 
 @dataclass
 class Plan:
-    """What goes wrong, by (batch, try): ``grads`` poisons a gradient, ``loss`` the loss."""
+    """What goes wrong, by (batch, try): ``grads`` poisons a gradient, ``loss`` the loss; and by
+    batch: ``ceilings`` poisons a gradient of every try whose scale is above the batch's."""
 
     grads: set[tuple[int, int]] = field(default_factory=set)
     loss: set[tuple[int, int]] = field(default_factory=set)
+    ceilings: dict[int, float] = field(default_factory=dict)
     batches: int = 12
     micro: int = 1  # micro-batches per try (accumulation)
 
@@ -78,7 +82,7 @@ def _try(
             loss = loss * INF
         loss_finite = loss_finite and bool(torch.isfinite(loss))
         scaler.scale(loss).backward()
-    if (batch, number) in plan.grads:
+    if (batch, number) in plan.grads or scaler.get_scale() > plan.ceilings.get(batch, INF):
         model.head.bias.grad[0] = INF
     found = False
     for opt in opts:
@@ -168,6 +172,37 @@ def test_attempts_equal_torchs_scaler_under_a_hand_written_replay_loop(
     # Batches 2 and 9 replayed once, 5 twice; the inf loss of batch 7 ran once; growth
     # probes that overflowed (growth_interval 3) replayed too.
     assert ours.tries[2] >= 2 and ours.tries[5] == 3 and ours.tries[7] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    grads=st.sets(st.tuples(st.integers(0, 9), st.integers(0, 3)), max_size=12),
+    loss=st.sets(st.tuples(st.integers(0, 9), st.integers(0, 3)), max_size=2),
+    ceilings=st.dictionaries(
+        st.integers(0, 9), st.sampled_from([2.0**k for k in range(14)]), max_size=5
+    ),
+    tries=st.integers(1, 4),
+    growth_interval=st.integers(1, 4),
+    kind=st.sampled_from(["plain", "fused"]),
+)
+def test_attempts_equal_the_hand_written_loop_on_any_plan(
+    grads: set[tuple[int, int]],
+    loss: set[tuple[int, int]],
+    ceilings: dict[int, float],
+    tries: int,
+    growth_interval: int,
+    kind: str,
+) -> None:
+    """Any mix of overflows by try, batches with a ceiling below the scale (warm-ups, outliers,
+    gradients that grew), inf losses, growths between batches and ``max_attempts``: the same
+    tries, scales and parameters as the rules written by hand over torch's scaler."""
+    plan = Plan(grads, loss, ceilings, batches=10)
+    kwargs: dict[str, Any] = {"init_scale": 2.0**12, "growth_interval": growth_interval}
+    ours = _run(lambda: ampscaler.GradScaler("cpu", **kwargs), kind, plan, tries)
+    theirs = _run(lambda: torch.amp.GradScaler("cpu", **kwargs), kind, plan, tries)
+    assert ours.tries == theirs.tries
+    assert ours.scales == theirs.scales
+    assert all(torch.equal(a, b) for a, b in zip(ours.params, theirs.params, strict=True))
 
 
 def test_replays_are_counted_and_recorded() -> None:
