@@ -486,11 +486,12 @@ class ScalerState:
         return value
 
     def kept(self, scale: torch.Tensor | None) -> torch.Tensor | None:
-        """``scale``, an iteration's scale after ``update()``, as a value later updates leave
-        alone: itself (the copy the update made), or, where a compiled update was deferred and
-        it is still the live scale, a copy of it (one small op, no host sync)."""
+        """``scale``, an iteration's scale after ``update()``, where it is a value later updates
+        leave alone (the copy the update made); ``None`` where it is still the live scale (a
+        deferred compiled update on a device without float64, which the next read of the state
+        may already have applied): then the scale it ran at is not known. No device work."""
         live = self._live
-        return scale.clone() if live is not None and scale is live.scale else scale
+        return None if live is not None and scale is live.scale else scale
 
     def growth_tracker_value(self) -> int:
         """torch's growth tracker as an int (a host sync once it lives on a device)."""
