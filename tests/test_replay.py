@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampscaler
-from ampscaler.replay import retry_scale
+from ampscaler.replay import gallop_scale, retry_scale
 
 INF = float("inf")
 
@@ -70,17 +70,15 @@ def _optimizers(model: Net, kind: str) -> list[torch.optim.Optimizer]:
 def _try(
     scaler: Any, model: Net, opts: list[torch.optim.Optimizer], plan: Plan, batch: int, number: int
 ) -> bool:
-    """One try at ``batch``: the body a user writes. Returns whether torch's scaler would see a
-    gradient overflow with a finite loss (what a hand-written loop replays on)."""
+    """One try at ``batch``: the body a user writes. Returns whether torch's scaler skipped the
+    step (its gradients held inf/NaN: they overflowed, or the loss was inf)."""
     for opt in opts:
         opt.zero_grad()
-    loss_finite = True
     for index in range(plan.micro):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(_micro(batch, index)).float().square().mean()
         if (batch, number) in plan.loss and index == plan.micro - 1:
             loss = loss * INF
-        loss_finite = loss_finite and bool(torch.isfinite(loss))
         scaler.scale(loss).backward()
     if (batch, number) in plan.grads or scaler.get_scale() > plan.ceilings.get(batch, INF):
         model.head.bias.grad[0] = INF
@@ -90,7 +88,7 @@ def _try(
         if isinstance(scaler, torch.amp.GradScaler):
             found = found or any(v.item() > 0 for v in scaler._found_inf_per_device(opt).values())
     scaler.update()
-    return found and loss_finite
+    return found
 
 
 def _by_hand(
@@ -101,35 +99,39 @@ def _by_hand(
     batch: int,
     tries: int,
     carried: float | None,
-) -> tuple[int, float | None]:
+    warm: bool,
+) -> tuple[int, float | None, bool]:
     """The replay loop of docs/replay.md written by hand over torch's scaler: retry a batch whose
-    scaled gradients overflowed; from the third try on, where ``search``, at the scales
-    ``retry_scale`` gives; once a batch took more than one retry, put the scale and growth
-    tracker back to where its first overflow left them, and for an outlier (the batch started
-    at ``carried``, the scale the batch before stepped at) the scale back to where it started;
-    the later tries search only where it is not an outlier. Returns the tries used and the
-    scale the batch stepped at where it got through on its first retry at the latest."""
+    scaled gradients overflowed; from the third try on at the scales ``retry_scale`` gives
+    where ``search``, else (an outlier: the batch started at ``carried``, the scale the batch
+    before stepped at) at those ``gallop_scale`` gives where the run skipped no step before
+    (``warm``), else where torch's rule backs off; once a batch took more than one retry, put
+    the scale and growth tracker back to where its first overflow left them, and for an
+    outlier the scale back to where it started. Returns the tries used, the scale the batch
+    stepped at where it got through on its first retry at the latest, and whether any try
+    skipped its step."""
     first: tuple[float, int] | None = None
     failed = 0.0
     start = scaler.get_scale()
     search = carried != start
     for number in range(tries):
-        if first is not None and number >= 2 and search:
-            failed = retry_scale(failed, tries - number)
+        if first is not None and number >= 2 and (search or warm):
+            failed = retry_scale(failed, tries - number) if search else gallop_scale(failed, number)
             scaler._scale.fill_(failed)  # type: ignore[union-attr]
             scaler._growth_tracker.fill_(first[1])  # type: ignore[union-attr]
-        overflow = _try(scaler, model, opts, plan, batch, number)
+        skipped = _try(scaler, model, opts, plan, batch, number)
+        overflow = skipped and (batch, number) not in plan.loss  # what a lower scale can help
         if first is None:
             if number + 1 == tries or not overflow:
-                return number + 1, None if overflow else start
+                return number + 1, None if overflow else start, skipped
             first = (scaler.get_scale(), int(scaler._get_growth_tracker()))
             failed = first[0]
         elif number == 1 and not overflow:
-            return 2, first[0]
+            return 2, first[0], True
         elif number + 1 == tries or not overflow:
             scaler._scale.fill_(first[0] if search else start)  # type: ignore[union-attr]
             scaler._growth_tracker.fill_(first[1])  # type: ignore[union-attr]
-            return number + 1, None
+            return number + 1, None, True
     raise AssertionError("unreachable: the last try returns")
 
 
@@ -140,10 +142,14 @@ def _run(factory: Callable[[], Any], kind: str, plan: Plan, tries: int = 3) -> R
     scaler = factory()
     result = Result([], [], [])
     carried: float | None = None  # the scale the last batch stepped at (first or second try)
+    warm = True  # no step skipped yet
     for batch in range(plan.batches):
         used = 0
         if isinstance(scaler, torch.amp.GradScaler):  # the loop a user writes by hand
-            used, carried = _by_hand(scaler, model, opts, plan, batch, tries, carried)
+            used, carried, skipped = _by_hand(
+                scaler, model, opts, plan, batch, tries, carried, warm
+            )
+            warm = warm and not skipped
         else:
             for attempt in scaler.attempts(max_attempts=tries):
                 used += 1
@@ -324,7 +330,9 @@ def test_a_compiled_step_and_update_judge_an_outlier_as_the_eager_ones() -> None
     finally:
         torch._dynamo.reset()
     assert compiled == eager
-    assert eager[3:6] == [2.0**11, 2.0**10, 2.0**9]  # the outlier's three tries, skipped
+    # The scales after the outlier's three tries (run at 2**12, 2**11, then a gallop to 2**9),
+    # each overflowed and backed off; skipped ...
+    assert eager[3:6] == [2.0**11, 2.0**10, 2.0**8]
     assert eager[6:] == [2.0**12, 2.0**12]  # ... and the run given its scale back
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import ampscaler
 from ampscaler.hooks import MeterHook
-from ampscaler.replay import RETRY_FLOOR, binades_above, retry_scale
+from ampscaler.replay import RETRY_FLOOR, binades_above, gallop_scale, retry_scale
 
 INF = float("inf")
 
@@ -65,30 +65,73 @@ def test_a_warm_up_from_2_16_to_a_ceiling_of_2_7_loses_no_batch() -> None:
 
 
 def test_an_outlier_after_a_clean_batch_gives_the_run_its_scale_back() -> None:
-    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**11)
 
     def outlier(batch: int, scale: float) -> bool:
-        return batch == 3  # larger than any scale can hold
+        # Batch 0 finds the ceiling (a growth probe's equal): the warm-up is over. Batch 3 is
+        # larger than any scale can hold.
+        return (batch == 0 and scale > 2.0**10) or batch == 3
 
     scales, lost = _train(scaler, 6, outlier)
     assert lost == [False, False, False, True, False, False]
+    assert scales[0] == [2.0**11, 2.0**10]
     # The batch before stepped at 2**10: the outlier's tries back off by the policy ...
     assert scales[3] == [2.0**10, 2.0**9, 2.0**8]
     # ... and, skipped after them, it leaves the run the scale it found: 2**10, where torch's
     # scaler goes on at 2**9 after skipping it (before issue 37: 2**7, one backoff per try;
     # before 0.2's outlier rule: 2**9, and torch's rule regrows only after 2000 clean steps).
     assert scales[4] == [2.0**10] and scaler.get_scale() == 2.0**10
-    # Its two later tries were replays; the overflow still restarted the growth count.
-    assert scaler.metrics()["scaler/replays"] == 2
+    # Its two later tries were replays (batch 0's one more); the overflow still restarted the
+    # growth count.
+    assert scaler.metrics()["scaler/replays"] == 3
     assert scaler._get_growth_tracker() == 2  # batches 4 and 5
 
 
-def test_an_outlier_stepped_at_a_later_try_also_gives_the_scale_back() -> None:
+def test_an_outlier_in_a_warm_up_gallops_and_still_gives_the_scale_back() -> None:
+    """Before the run skipped any step, the outlier's third try gallops two binades below
+    its second, and the run still gets the scale it found back."""
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
-    scales, lost = _train(scaler, 5, lambda batch, scale: batch == 2 and scale > 2.0**8)
+    scales, lost = _train(scaler, 6, lambda batch, scale: batch == 3)
+    assert lost == [False, False, False, True, False, False]
+    assert scales[3] == [2.0**10, 2.0**9, 2.0**7]
+    assert scales[4] == [2.0**10] and scaler.get_scale() == 2.0**10
+
+
+def test_an_outlier_stepped_at_a_later_try_also_gives_the_scale_back() -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**11)
+
+    def overflows(batch: int, scale: float) -> bool:
+        return (batch == 0 and scale > 2.0**10) or (batch == 2 and scale > 2.0**8)
+
+    scales, lost = _train(scaler, 5, overflows)
     assert not any(lost)
     assert scales[2] == [2.0**10, 2.0**9, 2.0**8]  # stepped at its third try, 2**8
     assert scales[3] == [2.0**10] and scales[4] == [2.0**10]
+
+
+def test_an_outlier_s_later_tries_gallop_down_in_doubling_steps_to_the_floor() -> None:
+    """In a warm-up, each retry from the second backs off twice as many binades as the one
+    before, never below 1 unless the batch overflowed there already: 2**16, then 2**15, 2**13,
+    2**9, 2, 1."""
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**16)
+    scales, lost = _train(scaler, 3, lambda batch, scale: batch == 1, max_attempts=7)
+    assert scales[1] == [2.0**16, 2.0**15, 2.0**13, 2.0**9, 2.0, 1.0, 0.5] and lost[1]
+    assert scales[2] == [2.0**16]  # and the run keeps the scale it found
+
+
+def test_a_warm_up_drift_after_clean_batches_steps_at_the_third_try() -> None:
+    """Issue 37's last lost batch (pg-outliers, seed 6 of 24): three batches stepped at
+    2**16, then the first Adam steps grew the gradients three binades past it. The batch is
+    taken for an outlier, and, the run having skipped nothing before it, its gallop reaches
+    2**13 at the default max_attempts, where a backoff per try stopped at 2**14 and lost it."""
+    scaler = ampscaler.GradScaler("cpu")
+
+    def drift(batch: int, scale: float) -> bool:
+        return batch >= 3 and scale > 2.0**13
+
+    scales, lost = _train(scaler, 5, drift)
+    assert not any(lost)
+    assert scales[3] == [2.0**16, 2.0**15, 2.0**13]
 
 
 def test_a_growth_probe_after_a_clean_batch_still_costs_one_backoff() -> None:
@@ -130,9 +173,9 @@ def test_gradients_that_grow_for_good_take_the_run_down_one_backoff_per_batch() 
     scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
     scales, lost = _train(scaler, 8, lambda batch, scale: batch >= 2 and scale > 2.0**7)
     assert scales[:2] == [[2.0**10], [2.0**10]]
-    # Batch 2 looks like an outlier (the batch before stepped at 2**10): skipped after its
-    # tries, as torch's scaler skips it, and the run is given 2**10 back ...
-    assert scales[2] == [2.0**10, 2.0**9, 2.0**8] and lost[2]
+    # Batch 2 looks like an outlier (the batch before stepped at 2**10): its gallop steps it
+    # at 2**7, and the run is given 2**10 back ...
+    assert scales[2] == [2.0**10, 2.0**9, 2.0**7] and not lost[2]
     # ... but nothing carried 2**10 since: batch 3 searches (its last try at the floor, 1) and
     # keeps one backoff, as does batch 4; batch 5 is a growth probe's equal, then none retries.
     assert scales[3:] == [
@@ -142,7 +185,7 @@ def test_gradients_that_grow_for_good_take_the_run_down_one_backoff_per_batch() 
         [2.0**7],
         [2.0**7],
     ]
-    assert lost[3:] == [False] * 5 and scaler.get_scale() == 2.0**7
+    assert not any(lost) and scaler.get_scale() == 2.0**7
 
 
 def test_a_replayed_headroom_batch_leaves_the_meter_on_the_policys_schedule() -> None:
@@ -176,3 +219,21 @@ def test_retry_scale_is_the_documented_search(
         assert got <= RETRY_FLOOR < got * 2  # the last try: at the floor
     else:
         assert got > RETRY_FLOOR and steps == math.ceil(distance / 2)
+
+
+@given(
+    exponent=st.integers(-20, 40),
+    mantissa=st.floats(1.0, 2.0, exclude_max=True),
+    retry=st.integers(2, 8),
+)
+def test_gallop_scale_is_the_documented_gallop(exponent: int, mantissa: float, retry: int) -> None:
+    failed = math.ldexp(mantissa, exponent)
+    got = gallop_scale(failed, retry)
+    steps = math.log2(failed / got)
+    assert steps == int(steps) and steps >= 1  # failed * 2**-k, exact, at least one halving
+    if failed <= 2 * RETRY_FLOOR:
+        assert got == failed / 2  # at the floor (or one halving above it): one more halving
+    elif steps < 2 ** (retry - 1):
+        assert got <= RETRY_FLOOR < got * 2  # the doubling step would pass the floor: stop there
+    else:
+        assert steps == 2 ** (retry - 1) and got > RETRY_FLOOR / 2

@@ -13,12 +13,19 @@ tries. So:
 * when the batch started at the scale the batch before stepped at (its first or second try),
   that scale carries the run's batches and this one is larger: an *outlier*. Its later tries
   run where the policy's further backoffs put them, after ``max_attempts`` it is skipped, as
-  torch's scaler skips it (an RL batch with 1000x advantages is not pushed through at scale
-  1), and once it is done, stepped or not, the policy's state is what the first try's
-  overflow left but with the scale the batch started at: the outlier's backoffs are all the
-  batch's. (Left one backoff down, as torch's scaler leaves a skipped batch, a run whose
-  outliers overflow keeps losing a binade to each, regrowing only after ``growth_interval``
-  clean steps; and whichever outliers happen to overflow decides how low it sits.)
+  torch's scaler skips it (an RL batch with 1000x advantages is not pushed through at a scale
+  that flushes the run's gradients), and once it is done, stepped or not, the policy's state
+  is what the first try's overflow left but with the scale the batch started at: the
+  outlier's backoffs are all the batch's. (Left one backoff down, as torch's scaler leaves a
+  skipped batch, a run whose outliers overflow keeps losing a binade to each, regrowing only
+  after ``growth_interval`` clean steps; and whichever outliers happen to overflow decides
+  how low it sits.) In a *warm-up*, before the run skipped any step, the scale has never met
+  a ceiling, and a batch over it may be gradients the first optimizer steps grew by a few
+  binades: there its later tries *gallop*, each backing off twice as many binades below the
+  scale that last overflowed as the one before it did (2, then 4, 8, ...), never below a
+  floor of 1 (:func:`gallop_scale`); at torch's rule the third try runs 3 binades below the
+  start, so at the default ``max_attempts`` such a batch gets through, and an outlier 10
+  binades larger is still skipped.
 * otherwise the run's scale is a guess no batch carried yet (the first batch under the loop,
   after a growth or a measured policy's jump, after a batch that needed more): the later
   tries *search*, bisecting in binades the distance between the scale that last overflowed
@@ -37,16 +44,22 @@ Example:
     128.0
     >>> retry_scale(1.0, tries_left=1)          # at the floor already: one more halving
     0.5
+    >>> tries = [2.0**16, 2.0**15]        # an outlier's first two tries, at torch's rule
+    >>> for retry in (2, 3, 4, 5):
+    ...     tries.append(gallop_scale(tries[-1], retry))
+    >>> tries                             # 2, 4, 8 binades below the last, then the floor
+    [65536.0, 32768.0, 8192.0, 512.0, 2.0, 1.0]
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["RETRY_FLOOR", "binades_above", "retry_scale"]
+__all__ = ["RETRY_FLOOR", "binades_above", "gallop_scale", "retry_scale"]
 
-#: The scale the last try of a searched batch runs at, unless the batch overflowed there
-#: already: 1, float16 training without loss scaling.
+#: The scale the last try of a searched batch runs at, and the lowest an outlier's gallop
+#: reaches, unless the batch overflowed there already: 1, float16 training without loss
+#: scaling.
 RETRY_FLOOR = 1.0
 
 
@@ -87,3 +100,26 @@ def retry_scale(failed: float, tries_left: int, floor: float = RETRY_FLOOR) -> f
     if tries_left <= 1:
         return math.ldexp(failed, -halvings)
     return math.ldexp(failed, -((halvings + 1) // 2))
+
+
+def gallop_scale(failed: float, retry: int, floor: float = RETRY_FLOOR) -> float:
+    """The scale of an outlier's next try: its ``retry``-th retry (``>= 2``; the first retry
+    runs where the policy's backoff put it). ``failed`` is the scale of the try that just
+    overflowed::
+
+        d = ceil(log2(failed / floor))              # halvings from failed to the floor
+        return failed * 2**-max(1, min(2**(retry - 1), d))
+
+    Each retry backs off twice as many binades as the one before (an exponential search
+    for a ceiling of unknown distance: ``k`` binades below the start within about
+    ``log2(k) + 2`` tries), never below the floor unless the batch overflowed there already,
+    and exactly (a power of two times ``failed``).
+
+    Example:
+        >>> gallop_scale(2.0**9, 2), gallop_scale(2.0**7, 3)     # 2**10's outlier: 2**7, 2**3
+        (128.0, 8.0)
+        >>> gallop_scale(2.0, 4), gallop_scale(1.0, 4)           # the floor, then a halving
+        (1.0, 0.5)
+    """
+    halvings = max(1, min(2 ** (retry - 1), binades_above(failed, floor)))
+    return math.ldexp(failed, -halvings)

@@ -72,7 +72,7 @@ from .observe.sinks import Sink
 from .policy import Policy, policy_from_arguments
 from .policy.derived import torch_rule
 from .precision import Bfloat16Watch
-from .replay import retry_scale
+from .replay import gallop_scale, retry_scale
 from .state import HostState, LiveState, ScalerState, ScalerStats
 from .taps import WatchedModels
 from .wrap import unwrap as unwrap_loop
@@ -173,6 +173,22 @@ def _outlier_start(
         return None
     value = float(start)
     return value if float(carried) == value else None
+
+
+#: Where a replayed batch's try from the third on runs: from the scale that last overflowed,
+#: the try's number counted from the batch's first overflow, and the tries left.
+_LaterTry = Callable[[float, int, int], float]
+
+
+def _later_tries(outlier: bool, skipped: int) -> _LaterTry | None:
+    """``attempts()``, at a batch's second overflow: where its later tries run. A guessed scale
+    is searched below; an outlier gallops down in a warm-up (its first overflow is the run's
+    first skip, ``skipped == 1``) and runs at the policy's backoffs after it (``None``)."""
+    if not outlier:
+        return lambda failed, retry, tries_left: retry_scale(failed, tries_left)
+    if skipped == 1:
+        return lambda failed, retry, tries_left: gallop_scale(failed, retry)
+    return None
 
 
 def _first_try(limit: int) -> Attempt:
@@ -829,9 +845,12 @@ class GradScaler(TorchPrivateNames):
         written by hand, bit for bit. A batch that overflows again is one of two kinds. When
         it started at the scale the batch before stepped at, that scale carries the run's
         batches and this one is larger: an outlier. Its later tries run at the policy's
-        further backoffs, after ``max_attempts`` it is skipped as torch skips it, and once
-        done it leaves the policy's state where its first overflow left it but with the
-        scale it started at (the outlier is the batch's, not the run's). Otherwise the scale
+        further backoffs (in a warm-up, before the run skipped any step, they gallop, each
+        backing off twice as many binades as the one before: under torch's rule ``S``,
+        ``S/2``, ``S/8``, :func:`~ampscaler.replay.gallop_scale`), after ``max_attempts`` it
+        is skipped as torch skips it, and once done it leaves the policy's state where its
+        first overflow left it but with the scale it started at (the outlier is the batch's,
+        not the run's). Otherwise the scale
         is a guess no batch carried yet (the first batch, after a growth or a measured jump,
         after a batch that needed more): its later tries bisect in binades down to 1, the
         last try at 1 (:func:`~ampscaler.replay.retry_scale`), and once done it leaves the
@@ -882,15 +901,14 @@ class GradScaler(TorchPrivateNames):
         limit = check_attempts(max_attempts)
         self._refuse_a_rank_alone()
         first_backoff: HostState | None = None  # the state the first overflow left
-        # The scale the batch started at (its first try's copy, read only at a second overflow)
-        # and the one the batch before stepped at: the same, the batch is an outlier there.
-        start: torch.Tensor | None = None
-        carried, self._carried = self._carried, None
+        start: torch.Tensor | None = None  # the scale it started at (read at a second overflow)
+        carried, self._carried = self._carried, None  # the scale the batch before stepped at
         give_back: float | None = None  # an outlier's start, decided at its second overflow
+        later: _LaterTry | None = None  # and where its later tries run (None: the policy's)
         failed, first = 0.0, 0  # the scale of the last try that overflowed, the first's number
         for number in range(limit):
-            if first_backoff is not None and number >= first + 2 and give_back is None:
-                failed = retry_scale(failed, limit - number)  # a guessed scale: search below
+            if later is not None and first_backoff is not None:
+                failed = later(failed, number - first, limit - number)
                 self._rewind(first_backoff, failed)
             started = self._iteration
             started.attempt = number  # the try at its batch the iteration in progress is
@@ -925,6 +943,7 @@ class GradScaler(TorchPrivateNames):
                     return  # one retry got it through: torch's scaler under a loop by hand
                 if number == first + 1:  # the batch's second overflow
                     give_back = _outlier_start(carried, start)
+                    later = _later_tries(give_back is not None, first_backoff.stats.skipped)
                 if last or not overflowed:
                     self._rewind(first_backoff, give_back or first_backoff.scale)
                     return
