@@ -174,3 +174,23 @@ def test_the_held_out_bar_is_a_cost_judged_on_its_upper_bound() -> None:
     assert not scaling.held_out_claim(1.02, None, 1)[1]  # 2% above
     text, met = scaling.held_out_claim(1.0, 0.01, 4)  # could be 2% above
     assert not met and "too wide to tell 1%" in text
+
+
+def test_a_cost_the_run_did_not_time_is_not_a_failed_check() -> None:
+    scaling = _scaling_module()
+    row: dict[str, Any] = {
+        "lost": 0, "mean_log2_scale": 16.0, "flushed": 0.0, "flushed_from_batch_1": 0.0,
+        "held_out_vs_torch": 1.0, "held_out_vs_torch_se": None, "held_out_vs_torch_seeds": [1.0],
+        "outlier_gap": None, "attempts_cost": None,
+    }  # fmt: skip
+    rows = {arm: dict(row) for arm in ("torch", "torch+attempts", "headroom+attempts")}
+    verdicts = dict(scaling.checks(rows))
+    timed = {claim: met for claim, met in verdicts.items() if "clean batch" in claim}
+    assert list(timed.values()) == [None, None]  # "--", not "NO"
+    assert all(met is True for claim, met in verdicts.items() if claim not in timed)
+    timing = {"attempts_cost_quartiles": (1.0, 1.03), "control": 1.0, "control_quartiles": (1, 1)}
+    rows["torch+attempts"].update(timing, attempts_cost=1.02)
+    rows["headroom+attempts"].update(timing, attempts_cost=1.005)
+    timed = [met for claim, met in scaling.checks(rows) if "clean batch" in claim]
+    assert timed == [False, True]
+    assert [scaling.VERDICTS[met] for met in (True, False, None)] == ["yes", "NO", "--"]
