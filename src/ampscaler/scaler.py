@@ -850,15 +850,15 @@ class GradScaler(TorchPrivateNames):
         ``S/2``, ``S/8``, :func:`~ampscaler.replay.gallop_scale`), after ``max_attempts`` it
         is skipped as torch skips it, and once done it leaves the policy's state where its
         first overflow left it but with the scale it started at (the outlier is the batch's,
-        not the run's). Otherwise the scale
-        is a guess no batch carried yet (the first batch, after a growth or a measured jump,
-        after a batch that needed more): its later tries bisect in binades down to 1, the
-        last try at 1 (:func:`~ampscaler.replay.retry_scale`), and once done it leaves the
-        policy's state one backoff below its start, as a skipped batch without the loop: a
-        warm-up from ``2**16`` to a ceiling of ``2**7`` loses no batch at the default
-        ``max_attempts``. A try whose steps a hook vetoed with a
-        :class:`~ampscaler.hooks.Veto` that says ``replay`` (and no other veto fired) runs
-        again within ``max_attempts`` at the scale the update left; nothing is rewound: a
+        not the run's). Otherwise the scale is a guess no batch carried yet (the first batch,
+        after a growth or a measured jump, after a batch that needed more): its later tries
+        bisect in binades down to 1, the last try at 1
+        (:func:`~ampscaler.replay.retry_scale`), and once done it leaves the policy's state
+        one backoff below its start, as a skipped batch without the loop: a warm-up from
+        ``2**16`` to a ceiling of ``2**7`` loses no batch at the default ``max_attempts``. A
+        try whose steps a hook vetoed with a :class:`~ampscaler.hooks.Veto` that says
+        ``replay`` (and no other veto fired) runs again within ``max_attempts`` at the scale
+        the update left; nothing is rewound: a
         measuring policy's meter vetoes so where every measured gradient flushed to zero
         (:class:`~ampscaler.HeadroomPolicy`'s first iterations on a tiny loss), and the
         policy raised the scale.
