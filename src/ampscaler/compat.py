@@ -28,24 +28,63 @@ values and effects torch gives them, from the scaler's own parts: its state
   readable and writable (Accelerate's ``GradScalerKwargs`` test reads them; writes are
   validated as the setters' are).
 - ``_enabled``: whether scaling is on (an attribute of the scaler itself).
+- ``_maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)``: torch's step-unless-flagged
+  (``optimizer.step(...)`` unless the flags in ``optimizer_state["found_inf_per_device"]``
+  sum to more than 0); ``_check_scale_growth_tracker(funcname)``: the live tensors, or torch's
+  error before ``scale()`` (NeMo's scaler calls both).
+
+**Subclasses.** torch's ``scale()``, ``unscale_()`` and ``step()`` call three of these on
+``self``, and code that subclasses torch's scaler overrides them (NeMo's and ColossalAI's
+scalers, trackers of skipped steps, optimizers that unscale their own gradients). A subclass of
+ampscaler's scaler that overrides one (also one defined while :func:`ampscaler.patch_torch` is
+in force, over torch's names) gets it called where torch calls it:
+
+- ``_lazy_init_scale_growth_tracker(device)``: by the first ``scale()`` (since construction or
+  unpickling), with the device of what it scales (the override calls ``super()``);
+- ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``: to unscale and check an
+  optimizer's gradients, by ``unscale_()`` (``allow_fp16`` as torch's, ``True`` for
+  :class:`~ampscaler.ShardedGradScaler`) and, with ``inv_scale`` 1, for a fused optimizer's
+  ``step()``; the flags it returns are the optimizer's;
+- ``_maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)``: by ``step()`` for a
+  non-fused optimizer, to step it or not; ``optimizer_state["found_inf_per_device"]`` holds
+  ampscaler's decision as a float32 flag (1.0: skip), and its return is ``step()``'s. The
+  scaler's own records (``last_step_skipped``, ``metrics()``, the update) follow that flag.
+
+The other methods torch's scaler calls on ``self`` (``_check_scale_growth_tracker``,
+``_check_inf_per_device``, ``_get_scale_async``, ``_get_growth_tracker``) ampscaler's methods do
+not call: overriding one warns when the class is made, as the override would change only what
+code calling it gets.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Generic, TypeVar, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 from torch.amp.grad_scaler import OptState as TorchOptState
 
-from .errors import ScalerUsageError
+from .errors import ScalerUsageError, warn_at_caller
 from .grads.check import combined_flag, unscale_per_device_
 from .grads.collect import collect
 from .iteration import Iteration
 from .policy.derived import torch_rule
 from .state import ScalerState
 
+if TYPE_CHECKING:
+    from .grads.collect import GradGroups
+    from .iteration import OptimizerRecord
+
 __all__ = ["TorchPrivateNames"]
+
+#: torch's methods that torch's own scaler calls on ``self`` but ampscaler's does not.
+NOT_CALLED = (
+    "_check_scale_growth_tracker",
+    "_check_inf_per_device",
+    "_get_scale_async",
+    "_get_growth_tracker",
+)
 
 _N = TypeVar("_N", float, int)
 
@@ -155,3 +194,106 @@ class TorchPrivateNames:
         record = self._iteration.record(optimizer, "_check_inf_per_device")
         record.found_inf = combined_flag(flags, live.device)
         return flags
+
+    # ------------------------------------------------------------------ for subclasses
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live scale and growth tracker.
+
+        Raises:
+            ScalerUsageError: (an ``AssertionError``, as torch's) ``scale()`` has not been used
+                yet.
+        """
+        live = self._state.require(funcname)
+        return live.scale, live.growth_tracker
+
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """``optimizer.step(*args, **kwargs)`` unless the flags in
+        ``optimizer_state["found_inf_per_device"]`` sum to more than 0 (then ``None``); one
+        host read per flag."""
+        flags = optimizer_state["found_inf_per_device"].values()
+        if sum(flag.item() for flag in flags):
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Route the scaler's calls through torch's methods that ``cls`` overrides (itself, or
+        through a mixin), and warn of an override that nothing of the scaler calls, once, at
+        the class that brings it (module docstring)."""
+        super().__init_subclass__(**kwargs)
+        parent = next(base for base in cls.__mro__[1:] if issubclass(base, TorchPrivateNames))
+
+        def _overridden(name: str, since: type = TorchPrivateNames) -> bool:
+            return getattr(cls, name) is not getattr(since, name)
+
+        if _overridden("_lazy_init_scale_growth_tracker") and not hasattr(
+            cls._scale_on,  # type: ignore[attr-defined]
+            "initializes_lazily",
+        ):
+            cls._scale_on = _initializing_lazily(cls._scale_on)  # type: ignore[attr-defined]
+        if _overridden("_unscale_grads_"):
+            cls._unscale_and_check = _through_unscale_grads  # type: ignore[attr-defined]
+        if _overridden("_maybe_opt_step"):
+            cls._step_optimizer = _through_maybe_opt_step  # type: ignore[attr-defined]
+        for name in NOT_CALLED:
+            if _overridden(name, since=parent):
+                warn_at_caller(
+                    f"{cls.__qualname__} overrides {name}(), which torch's GradScaler calls "
+                    "from its own methods and ampscaler's does not: the override changes only "
+                    "what code that calls it gets. Move what it does into an override of the "
+                    "public method that should do it (scale, unscale_, step, update, "
+                    "state_dict).",
+                    UserWarning,
+                )
+
+
+def _initializing_lazily(
+    scale_on: Callable[[Any, torch.device], torch.Tensor],
+) -> Callable[[Any, torch.device], torch.Tensor]:
+    """``scale_on`` (``scale()``'s scale for a device), after the subclass's
+    ``_lazy_init_scale_growth_tracker(device)`` at the first ``scale()`` (since construction or
+    unpickling), as torch's ``scale()`` calls it while its ``_scale`` is ``None``."""
+
+    def _initialized_first(scaler: Any, device: torch.device) -> torch.Tensor:
+        if not scaler._state.used:
+            scaler._lazy_init_scale_growth_tracker(device)
+        return scale_on(scaler, device)
+
+    _initialized_first.initializes_lazily = True  # type: ignore[attr-defined]
+    return _initialized_first
+
+
+def _through_unscale_grads(
+    scaler: Any,
+    record: OptimizerRecord,
+    groups: GradGroups,
+    multiplier: torch.Tensor,
+    device: torch.device,
+    allow_fp16: bool,
+) -> torch.Tensor | None:
+    """The check by the subclass's ``_unscale_grads_`` (``groups``, ampscaler's own collection,
+    go to the hooks): the flags it returns, summed on ``device``."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    flags = scaler._unscale_grads_(record.optimizer, multiplier, found_inf, allow_fp16)
+    return combined_flag(flags, device)
+
+
+def _through_maybe_opt_step(
+    scaler: Any,
+    record: OptimizerRecord,
+    skipped: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The subclass's ``_maybe_opt_step``, given the scaler's decision as torch's per-optimizer
+    state: a float32 flag on the scale's device, 1.0 to skip (one small op)."""
+    device = scaler._state.require("step").device
+    flag = torch.full((), float(skipped), dtype=torch.float32, device=device)
+    state = {"stage": TorchOptState.UNSCALED, "found_inf_per_device": {device: flag}}
+    return scaler._maybe_opt_step(record.optimizer, state, *args, **kwargs)

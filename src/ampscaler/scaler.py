@@ -533,8 +533,9 @@ class GradScaler(TorchPrivateNames):
                     hook.on_skip(self._iteration, record, live)
 
     def _unscale(self, record: OptimizerRecord, live: LiveState) -> None:
-        groups = self._collect(record, live, allow_fp16=self._unscale_allows_fp16)
-        self._check(groups, record, live, _reciprocal(live, self._iteration))
+        allow_fp16 = self._unscale_allows_fp16
+        groups = self._collect(record, live, allow_fp16)
+        self._check(groups, record, live, _reciprocal(live, self._iteration), allow_fp16)
         record.stage = OptState.UNSCALED
 
     def _collect(self, record: OptimizerRecord, live: LiveState, allow_fp16: bool) -> GradGroups:
@@ -558,10 +559,11 @@ class GradScaler(TorchPrivateNames):
         record: OptimizerRecord,
         live: LiveState,
         multiplier: torch.Tensor,
+        allow_fp16: bool,
     ) -> None:
         """Multiply the gradients in ``groups`` by ``multiplier``, flag inf/NaN in ``record``,
         and start agreeing on the flag across ranks. No host sync."""
-        found_inf = check_and_unscale_(groups, multiplier, live.device)
+        found_inf = self._unscale_and_check(record, groups, multiplier, live.device, allow_fp16)
         iteration = self._iteration
         for hook in self._hooks.after_check:
             unscaled_by = multiplier * live.scale
@@ -648,6 +650,28 @@ class GradScaler(TorchPrivateNames):
                 record.origin = iteration.loss_origin()
             for hook in self._hooks.on_skip:
                 hook.on_skip(iteration, record, live)
+        return self._step_optimizer(record, skipped, args, kwargs)
+
+    # What torch's scaler does through methods a subclass may override (``_unscale_grads_``,
+    # ``_maybe_opt_step``): a subclass that overrides one of those gets these routed through
+    # it (ampscaler.compat).
+
+    def _unscale_and_check(
+        self,
+        record: OptimizerRecord,
+        groups: GradGroups,
+        multiplier: torch.Tensor,
+        device: torch.device,
+        allow_fp16: bool,
+    ) -> torch.Tensor | None:
+        """The check of ``record``'s gradients (``groups``, as collected with ``allow_fp16``):
+        their flag on ``device``, ``None`` for no gradients. No host sync."""
+        return check_and_unscale_(groups, multiplier, device)
+
+    def _step_optimizer(
+        self, record: OptimizerRecord, skipped: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run ``record``'s optimizer's own ``step`` unless the step is ``skipped``."""
         return None if skipped else record.optimizer.step(*args, **kwargs)
 
     def _fused_step(
@@ -666,7 +690,7 @@ class GradScaler(TorchPrivateNames):
                 self._state.watch_powers_of_two()
             exact = one_pass and self._state.exact_reciprocal
             multiplier, grad_scale = self._fused.plan(optimizer, groups, live.scale, exact)
-            self._check(groups, record, live, multiplier)
+            self._check(groups, record, live, multiplier, allow_fp16=True)
         self._agreement.before_kernel(record, self._iteration)
         found_inf = record.found_inf
         if found_inf is None:  # no gradients: nothing to step, nothing recorded for update()

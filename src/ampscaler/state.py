@@ -436,6 +436,11 @@ class ScalerState:
     # ------------------------------------------------------------------ reads (settled)
 
     @property
+    def used(self) -> bool:
+        """Whether ``scale()`` has put the scale to use (since construction or unpickling)."""
+        return self._used
+
+    @property
     def live(self) -> LiveState | None:
         """The tensors (settled), or ``None`` before the first device is known."""
         if self._deferred:

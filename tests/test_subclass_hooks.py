@@ -1,0 +1,283 @@
+"""Subclasses that override torch's private hooks get them called where torch calls them.
+
+Code written against torch's scaler subclasses it and overrides the methods its ``scale()``,
+``unscale_()`` and ``step()`` call on ``self``: ``_maybe_opt_step`` (NeMo's model-parallel
+scaler, trackers of skipped steps), ``_unscale_grads_`` (optimizers that unscale their own
+gradients) and ``_lazy_init_scale_growth_tracker`` (NeMo's hysteresis tracker). The same
+subclass body is put on torch's scaler and on ampscaler's, and both are run side by side: the
+hooks must be called alike, with the same arguments, and the training must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ampscaler
+
+
+@pytest.fixture(scope="module")
+def world_of_one() -> Iterator[dist.ProcessGroup]:
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    assert group is not None
+    try:
+        yield group
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _train(
+    scaler: Any,
+    steps: int = 4,
+    inf_at: int = 1,
+    fused: bool = False,
+) -> tuple[list[torch.Tensor], list[float], list[Any]]:
+    """A small model stepped by ``scaler``, with inf in the input at step ``inf_at``; the
+    parameters, the scale after each update and what ``step()`` returned."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    if fused:
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales, returned = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        inputs = torch.full((4, 3), float("inf") if step == inf_at else 0.5)
+        loss = model(inputs).pow(2).mean()
+        scaler.scale(loss).backward()
+        returned.append(scaler.step(optimizer))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in model.parameters()], scales, returned
+
+
+def _twins(body: dict[str, Any]) -> tuple[Any, Any]:
+    """The same subclass body over torch's scaler and over ampscaler's, constructed alike."""
+    made = []
+    for base in (torch.amp.GradScaler, ampscaler.GradScaler):
+        cls = type(f"Over{base.__module__.split('.')[0]}", (base,), dict(body))
+        scaler = cls("cpu", init_scale=2.0**8)
+        scaler.log = []
+        made.append(scaler)
+    return made[0], made[1]
+
+
+def _assert_same_training(torch_run: Any, ampscaler_run: Any) -> None:
+    (torch_params, torch_scales, torch_returned) = torch_run
+    (params, scales, returned) = ampscaler_run
+    assert scales == torch_scales
+    assert returned == torch_returned
+    for theirs, ours in zip(torch_params, params, strict=True):
+        assert torch.equal(theirs, ours)
+
+
+# ---------------------------------------------------------------------- _maybe_opt_step
+
+
+def _tracking_step(
+    self: Any, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any
+) -> Any:
+    flags = optimizer_state["found_inf_per_device"]
+    self.log.append((optimizer_state["stage"].name, sum(float(f.item()) for f in flags.values())))
+    self.skipped_by_me = bool(sum(float(f.item()) for f in flags.values()))
+    return super(type(self), self)._maybe_opt_step(optimizer, optimizer_state, *args)
+
+
+def test_an_overridden_maybe_opt_step_is_called_at_every_plain_step_as_torch_calls_it() -> None:
+    theirs, ours = _twins({"_maybe_opt_step": _tracking_step})
+    _assert_same_training(_train(theirs), _train(ours))
+    assert (
+        ours.log
+        == theirs.log
+        == [
+            ("UNSCALED", 0.0),
+            ("UNSCALED", 1.0),
+            ("UNSCALED", 0.0),
+            ("UNSCALED", 0.0),
+        ]
+    )
+    assert ours.skipped_by_me is theirs.skipped_by_me is False
+
+
+def test_an_overridden_maybe_opt_step_decides_whether_the_optimizer_steps() -> None:
+    def never(self: Any, optimizer: Any, optimizer_state: Any, *args: Any) -> Any:
+        self.log.append("asked")
+        return "held back"
+
+    theirs, ours = _twins({"_maybe_opt_step": never})
+    torch_run, run = _train(theirs), _train(ours)
+    _assert_same_training(torch_run, run)
+    assert run[2] == ["held back"] * 4 and ours.log == ["asked"] * 4
+    torch.manual_seed(0)
+    untouched = list(torch.nn.Linear(3, 2).parameters())
+    assert all(torch.equal(a, b) for a, b in zip(run[0], untouched, strict=True))
+
+
+def test_maybe_opt_step_itself_steps_unless_the_flags_sum_above_zero() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.weight.grad = torch.ones_like(model.weight)
+    before = model.weight.detach().clone()
+    scaler = ampscaler.GradScaler("cpu")
+    flagged = {"found_inf_per_device": {torch.device("cpu"): torch.tensor(1.0)}}
+    assert scaler._maybe_opt_step(optimizer, flagged) is None
+    assert torch.equal(model.weight, before)
+    clean = {"found_inf_per_device": {torch.device("cpu"): torch.tensor(0.0)}}
+    scaler._maybe_opt_step(optimizer, clean)
+    assert torch.equal(model.weight, before - 1.0)
+
+
+def test_a_subclass_made_over_torchs_name_while_patched_is_routed_too() -> None:
+    with ampscaler.patch_torch():
+
+        class Tracking(torch.amp.GradScaler):  # what a framework module imported later does
+            def _maybe_opt_step(self, optimizer: Any, optimizer_state: Any, *args: Any) -> Any:
+                self.seen = optimizer_state["found_inf_per_device"]
+                return super()._maybe_opt_step(optimizer, optimizer_state, *args)
+
+        scaler = Tracking("cpu", init_scale=2.0**8)
+    assert isinstance(scaler, ampscaler.GradScaler)
+    _train(scaler, steps=2, inf_at=-1)
+    assert list(scaler.seen) == [torch.device("cpu")]
+    assert scaler.seen[torch.device("cpu")].item() == 0.0
+
+
+# ---------------------------------------------------------------------- _unscale_grads_
+
+
+def _logging_unscale(
+    self: Any, optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool
+) -> Any:
+    self.log.append((inv_scale.item(), found_inf.item(), allow_fp16))
+    return super(type(self), self)._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["SGD", "fused Adam"])
+def test_an_overridden_unscale_grads_checks_the_gradients_as_in_torch(fused: bool) -> None:
+    theirs, ours = _twins({"_unscale_grads_": _logging_unscale})
+    _assert_same_training(_train(theirs, fused=fused), _train(ours, fused=fused))
+    assert ours.log == theirs.log
+    # plain: unscale by 1/scale, fp16 refused; fused: checked at 1.0, the kernel unscales
+    expected = (1.0, 0.0, True) if fused else (2.0**-8, 0.0, False)
+    assert ours.log[0] == expected
+
+
+def test_the_flags_an_overridden_unscale_grads_returns_decide_the_step() -> None:
+    def inf_at_the_second(self: Any, optimizer: Any, inv_scale: Any, found_inf: Any, fp16: bool):
+        flags = super(type(self), self)._unscale_grads_(optimizer, inv_scale, found_inf, fp16)
+        self.log.append(None)
+        if len(self.log) == 2:  # an optimizer that knows better than the check
+            return {device: torch.ones_like(flag) for device, flag in flags.items()}
+        return flags
+
+    theirs, ours = _twins({"_unscale_grads_": inf_at_the_second})
+    torch_run, run = _train(theirs, inf_at=-1), _train(ours, inf_at=-1)
+    _assert_same_training(torch_run, run)
+    assert run[1] == [2.0**8, 2.0**7, 2.0**7, 2.0**7] and run[2][1] is None
+    assert ours.last_step_skipped is False and ours.metrics()["scaler/skips"] == 1
+
+
+def test_a_sharded_scalers_override_is_allowed_fp16_gradients_as_torchs_is(
+    world_of_one: dist.ProcessGroup,
+) -> None:
+    seen = []
+
+    class Mine(ampscaler.ShardedGradScaler):
+        def _unscale_grads_(self, optimizer: Any, inv: Any, found: Any, allow_fp16: bool) -> Any:
+            seen.append(allow_fp16)
+            return super()._unscale_grads_(optimizer, inv, found, allow_fp16)
+
+    model = torch.nn.Linear(2, 1).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = Mine("cpu", init_scale=4.0, process_group=world_of_one)
+    scaler.scale(model(torch.ones(1, 2, dtype=torch.float16)).float().sum()).backward()
+    scaler.unscale_(optimizer)
+    assert seen == [True]  # torch's sharded unscale_() passes True: fp16 gradients are checked
+    assert model.weight.grad is not None and model.weight.grad.dtype == torch.float16
+
+
+# ---------------------------------------------------------------------- lazy init
+
+
+class LazyInit:
+    """NeMo's scaler's override, as a mixin (module level: copies are pickled)."""
+
+    log: list[torch.device]
+
+    def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)  # type: ignore[misc]
+        self.log.append(torch.device(dev))
+        self.hysteresis_tracker = torch.tensor([2], dtype=torch.int32, device=dev)
+
+
+class TorchLazy(LazyInit, torch.amp.GradScaler):
+    pass
+
+
+class OursLazy(LazyInit, ampscaler.GradScaler):
+    pass
+
+
+class OursLazier(OursLazy):
+    """Routed once, however deep: the override is still called once per first scale()."""
+
+
+@pytest.mark.parametrize("ours_class", [OursLazy, OursLazier])
+def test_an_overridden_lazy_init_is_called_once_by_the_first_scale(ours_class: type) -> None:
+    theirs, ours = TorchLazy("cpu", init_scale=2.0**8), ours_class("cpu", init_scale=2.0**8)
+    theirs.log, ours.log = [], []
+    _assert_same_training(_train(theirs), _train(ours))
+    assert ours.log == theirs.log == [torch.device("cpu")]
+    assert ours.hysteresis_tracker.tolist() == [2]
+    for scaler in (theirs, ours):  # a copy starts from the host again: torch's asks again
+        copy = pickle.loads(pickle.dumps(scaler))
+        copy.scale(torch.ones(()))
+        copy.scale(torch.ones(()))
+        assert copy.log == [torch.device("cpu")] * 2
+
+
+# ---------------------------------------------------------------------- the rest
+
+
+def test_check_scale_growth_tracker_gives_torchs_tensors_and_error() -> None:
+    theirs, ours = torch.amp.GradScaler("cpu"), ampscaler.GradScaler("cpu")
+    for scaler in (theirs, ours):
+        with pytest.raises(AssertionError, match="^Attempted update"):
+            scaler._check_scale_growth_tracker("update")
+        scaler.scale(torch.ones(()))
+    scale, tracker = ours._check_scale_growth_tracker("update")
+    assert scale is ours._scale and tracker is ours._growth_tracker
+    assert (scale.item(), tracker.item()) == tuple(
+        t.item() for t in theirs._check_scale_growth_tracker("update")
+    )
+
+
+@pytest.mark.parametrize("name", ampscaler.compat.NOT_CALLED)
+def test_an_override_the_scaler_never_calls_warns_once_at_the_class(name: str) -> None:
+    with pytest.warns(UserWarning, match=f"overrides {name}\\(\\).*ampscaler's does not") as got:
+        overriding = type("Overriding", (ampscaler.GradScaler,), {name: lambda self, *args: None})
+    assert got[0].filename == __file__
+    mixin = type("Mixin", (), {name: lambda self, *args: None})
+    with pytest.warns(UserWarning, match=f"Mixed overrides {name}"):
+        type("Mixed", (mixin, ampscaler.GradScaler), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        type("Below", (overriding,), {})  # told at the class that brought it
+
+
+def test_the_scalers_own_subclasses_warn_of_nothing() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        type("Plain", (ampscaler.GradScaler,), {"update": ampscaler.GradScaler.update})
+        type("Sharded", (ampscaler.ShardedGradScaler,), {})
