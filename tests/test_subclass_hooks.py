@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import pickle
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 import ampscaler
 
@@ -281,3 +283,23 @@ def test_the_scalers_own_subclasses_warn_of_nothing() -> None:
         warnings.simplefilter("error")
         type("Plain", (ampscaler.GradScaler,), {"update": ampscaler.GradScaler.update})
         type("Sharded", (ampscaler.ShardedGradScaler,), {})
+
+
+class TorchStyleUpdate:
+    """An update() copied from torch's into a subclass (NeMo's scaler does, for hysteresis):
+    it moves the scale itself and ends the iteration by assigning _per_optimizer_states."""
+
+    def update(self, new_scale: Any = None) -> None:
+        scale, tracker = self._check_scale_growth_tracker("update")  # type: ignore[attr-defined]
+        states = self._per_optimizer_states  # type: ignore[has-type]
+        flags = [f for state in states.values() for f in state["found_inf_per_device"].values()]
+        torch._amp_update_scale_(scale, tracker, sum(flags), 2.0, 0.5, 2000)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def test_an_update_that_ends_the_iteration_as_torchs_does_is_refused_with_what_to_do() -> None:
+    theirs = type("Theirs", (TorchStyleUpdate, torch.amp.GradScaler), {})("cpu")
+    _train(theirs, steps=2, inf_at=-1)  # torch's runs it
+    ours = type("Ours", (TorchStyleUpdate, ampscaler.GradScaler), {})("cpu")
+    with pytest.raises(AttributeError, match=r"must call super\(\)\.update\(\).*ScalePolicy"):
+        _train(ours, steps=1, inf_at=-1)

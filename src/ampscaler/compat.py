@@ -16,7 +16,9 @@ values and effects torch gives them, from the scaler's own parts: its state
 - ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState,
   "found_inf_per_device": {device: flag}}}`` for the iteration in progress, a new
   ``defaultdict`` on each read (torch's tests, code that checks whether an optimizer was
-  unscaled). The flag is the optimizer's combined flag, on the scale's device.
+  unscaled). The flag is the optimizer's combined flag, on the scale's device. Assigning it (how
+  torch's ``update()`` ends an iteration, and so code that copies that ``update()`` into a
+  subclass) raises an ``AttributeError`` that says to call ``super().update()``.
 - ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
 - ``_check_inf_per_device(optimizer)``: checks without unscaling and records the flag, as
   torch's deprecated ``grad_scaler=`` step protocol uses it.
@@ -164,6 +166,16 @@ class TorchPrivateNames:
                 "found_inf_per_device": {} if found is None else {found.device: found},
             }
         return states
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: object) -> None:
+        raise AttributeError(
+            "_per_optimizer_states cannot be assigned on ampscaler's GradScaler: torch's "
+            "update() assigns it to end an iteration, and ampscaler's update() ends its own. A "
+            "subclass that overrides update() must call super().update(); for a rule of its "
+            "own (hysteresis, bounds), pass policy=ampscaler.ScalePolicy(hysteresis=...) or a "
+            "subclass of ampscaler.Policy instead of rewriting update()."
+        )
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         found: dict[torch.device, Any] = self._per_optimizer_states[id(optimizer)][
