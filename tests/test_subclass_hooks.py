@@ -155,6 +155,63 @@ def test_a_subclass_made_over_torchs_name_while_patched_is_routed_too() -> None:
     assert scaler.seen[torch.device("cpu")].item() == 0.0
 
 
+# ---------------------------------------------------------------------- unscale_
+
+
+class AgreeingUnscale:
+    """torch's sharded scaler's pattern: unscale, then reduce the flags in place across ranks
+    (here the value another rank's overflow would bring, at the steps in ``poisoned``)."""
+
+    calls: int
+    poisoned: set[int]
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)  # type: ignore[misc]
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # type: ignore[attr-defined]
+        if self.calls in self.poisoned:
+            for flag in flags.values():
+                flag.fill_(1.0)
+        self.calls += 1
+
+
+def _train_unscaling(scaler: Any, optimizer_kind: str, explicit: bool) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizers = {
+        "SGD": lambda: torch.optim.SGD(model.parameters(), lr=0.1),
+        "Adam": lambda: torch.optim.Adam(model.parameters(), lr=0.1, foreach=True),
+        "fused Adam": lambda: torch.optim.Adam(model.parameters(), lr=0.1, fused=True),
+    }
+    optimizer = optimizers[optimizer_kind]()
+    scaler.calls, scaler.poisoned = 0, {1}
+    scales, returned = [], []
+    for _ in range(3):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(4, 3)).pow(2).mean()).backward()
+        if explicit:
+            scaler.unscale_(optimizer)
+        returned.append(scaler.step(optimizer))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, scales, returned, scaler.calls
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["by step", "by hand"])
+@pytest.mark.parametrize("optimizer_kind", ["SGD", "Adam", "fused Adam"])
+def test_an_overridden_unscale_is_called_by_step_and_its_flags_decide(
+    optimizer_kind: str, explicit: bool
+) -> None:
+    theirs = type("Theirs", (AgreeingUnscale, torch.amp.GradScaler), {})("cpu", init_scale=2.0**8)
+    ours = type("Ours", (AgreeingUnscale, ampscaler.GradScaler), {})("cpu", init_scale=2.0**8)
+    *torch_run, torch_calls = _train_unscaling(theirs, optimizer_kind, explicit)
+    *run, calls = _train_unscaling(ours, optimizer_kind, explicit)
+    _assert_same_training(tuple(torch_run), tuple(run))
+    assert calls == torch_calls == (0 if optimizer_kind == "fused Adam" and not explicit else 3)
+    if calls:  # the reduced flag of the second step skipped it and backed the scale off
+        assert run[1] == [2.0**8, 2.0**7, 2.0**7] and run[2][1] is None
+
+
 # ---------------------------------------------------------------------- _unscale_grads_
 
 

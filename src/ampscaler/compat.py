@@ -43,6 +43,11 @@ in force, over torch's names) gets it called where torch calls it:
 
 - ``_lazy_init_scale_growth_tracker(device)``: by the first ``scale()`` (since construction or
   unpickling), with the device of what it scales (the override calls ``super()``);
+- ``unscale_(optimizer)`` (public, but torch's ``step()`` calls it): by ``step()`` for a
+  non-fused optimizer not unscaled yet. Such an override (torch's sharded scaler's pattern:
+  ``super().unscale_(optimizer)``, then reduce the flags of ``_per_optimizer_states`` in
+  place) may change the flags after ampscaler's check, so ``unscale_()`` does not read them
+  early: ``step()`` reads them, as torch's does;
 - ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``: to unscale and check an
   optimizer's gradients, by ``unscale_()`` (``allow_fp16`` as torch's, ``True`` for
   :class:`~ampscaler.ShardedGradScaler`) and, with ``inv_scale`` 1, for a fused optimizer's
@@ -249,6 +254,11 @@ class TorchPrivateNames:
             "initializes_lazily",
         ):
             cls._scale_on = _initializing_lazily(cls._scale_on)  # type: ignore[attr-defined]
+        # unscale_ is the scaler's own (public): overridden below the class that defines it
+        home = next((c for c in reversed(cls.__mro__) if "_unscale_in_step" in vars(c)), cls)
+        if _overridden("unscale_", since=home):
+            cls._unscale_in_step = _through_unscale_  # type: ignore[attr-defined]
+            cls._reads_early = False  # type: ignore[attr-defined]
         if _overridden("_unscale_grads_"):
             cls._unscale_and_check = _through_unscale_grads  # type: ignore[attr-defined]
         if _overridden("_maybe_opt_step"):
@@ -279,6 +289,11 @@ def _initializing_lazily(
 
     _initialized_first.initializes_lazily = True  # type: ignore[attr-defined]
     return _initialized_first
+
+
+def _through_unscale_(scaler: Any, record: OptimizerRecord, live: Any) -> None:
+    """``step()``'s unscale by the subclass's ``unscale_`` (``live`` unused: it asks again)."""
+    scaler.unscale_(record.optimizer)
 
 
 def _through_unscale_grads(

@@ -360,6 +360,10 @@ class GradScaler(TorchPrivateNames):
     #: torch's ``GradScaler`` refuses one without gradients (torch's sharded scaler steps it as
     #: clean; :class:`~ampscaler.ShardedGradScaler` sets it ``False``).
     _refuses_unchecked: bool = True
+    #: Whether :meth:`unscale_` reads a plain optimizer's flag at once (``False`` where a
+    #: subclass's ``unscale_`` may still change the flags after it, as torch's sharded scaler
+    #: does: then ``step()`` reads them; see :mod:`ampscaler.compat`).
+    _reads_early: bool = True
 
     @refusing_removed_options
     def __init__(
@@ -525,7 +529,7 @@ class GradScaler(TorchPrivateNames):
                 "before scaler.step(optimizer), or not at all: step() unscales by itself."
             )
         self._unscale(record, live)
-        if not torch.compiler.is_compiling():
+        if self._reads_early and not torch.compiler.is_compiling():
             record.known_overflow = self._agreement.read_early(record)
             if record.known_overflow:  # heard now, while the gradients are as checked
                 record.reported = True
@@ -622,7 +626,7 @@ class GradScaler(TorchPrivateNames):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(record, live, args, kwargs)
         if record.stage is OptState.READY:
-            self._unscale(record, live)
+            self._unscale_in_step(record, live)
         return self._plain_step(record, live, args, kwargs)
 
     def _plain_step(
@@ -652,9 +656,13 @@ class GradScaler(TorchPrivateNames):
                 hook.on_skip(iteration, record, live)
         return self._step_optimizer(record, skipped, args, kwargs)
 
-    # What torch's scaler does through methods a subclass may override (``_unscale_grads_``,
-    # ``_maybe_opt_step``): a subclass that overrides one of those gets these routed through
-    # it (ampscaler.compat).
+    # What torch's scaler does through methods a subclass may override (``unscale_``,
+    # ``_unscale_grads_``, ``_maybe_opt_step``): a subclass that overrides one of those gets
+    # these routed through it (ampscaler.compat).
+
+    def _unscale_in_step(self, record: OptimizerRecord, live: LiveState) -> None:
+        """``step()``'s unscale of a plain optimizer that ``unscale_()`` did not unscale."""
+        self._unscale(record, live)
 
     def _unscale_and_check(
         self,
