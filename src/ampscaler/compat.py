@@ -35,9 +35,10 @@ values and effects torch gives them, from the scaler's own parts: its state
   sum to more than 0); ``_check_scale_growth_tracker(funcname)``: the live tensors, or torch's
   error before ``scale()`` (NeMo's scaler calls both).
 
-**Subclasses.** torch's ``scale()``, ``unscale_()`` and ``step()`` call three of these on
-``self``, and code that subclasses torch's scaler overrides them (NeMo's and ColossalAI's
-scalers, trackers of skipped steps, optimizers that unscale their own gradients). A subclass of
+**Subclasses.** torch's ``scale()``, ``unscale_()`` and ``step()`` call three of these, and
+``unscale_()`` itself, on ``self``, and code that subclasses torch's scaler overrides them
+(torch's sharded scaler, NeMo's and ColossalAI's scalers, trackers of skipped steps, optimizers
+that unscale their own gradients); they are chosen once, when the class is made. A subclass of
 ampscaler's scaler that overrides one (also one defined while :func:`ampscaler.patch_torch` is
 in force, over torch's names) gets it called where torch calls it:
 
