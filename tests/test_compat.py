@@ -146,3 +146,71 @@ def test_a_positional_closure_goes_to_the_optimizer_like_torchs() -> None:
 def _untrained() -> list[torch.Tensor]:
     torch.manual_seed(0)
     return [p.detach().clone() for p in torch.nn.Linear(3, 1).parameters()]
+
+
+def _floored_run(factory: Any) -> tuple[list[float], dict[str, Any], list[torch.Tensor]]:
+    """Training code that keeps the scale at a floor of its own by assigning ``_scale`` (a
+    pattern of several public training scripts), with overflows at steps 1 and 2."""
+    model, opt = _model_and_opt()
+    scaler = factory("cpu", init_scale=256.0)
+    scales = []
+    for step in range(4):
+        opt.zero_grad()
+        _backward(scaler, model, poison=step in (1, 2))
+        scaler.step(opt)
+        scaler.update()
+        if scaler._scale < 200:
+            scaler._scale = torch.tensor(200.0).to(scaler._scale)
+        scales.append(scaler.get_scale())
+    return scales, scaler.state_dict(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_assigning_the_scale_sets_its_value_as_torchs_assignment_does() -> None:
+    (torch_scales, torch_saved, torch_params), (scales, saved, params) = map(_floored_run, BOTH)
+    assert scales == torch_scales == [256.0, 200.0, 200.0, 200.0]
+    assert {key: saved[key] for key in torch_saved} == torch_saved
+    assert all(torch.equal(a, b) for a, b in zip(params, torch_params, strict=True))
+    # The counters still see both backoffs: each iteration ended before the assignment.
+    assert saved["stats"]["backoffs"] == saved["stats"]["skipped"] == 2
+
+
+def test_assigning_the_state_before_saving_is_saved_as_torchs() -> None:
+    saved = []
+    for factory in BOTH:
+        scaler = factory("cpu")
+        scaler._scale = torch.tensor(32768.0)
+        scaler._growth_tracker = torch.tensor(5)
+        saved.append(scaler.state_dict())
+        disabled = factory("cpu", enabled=False)
+        disabled._scale = torch.tensor(1024.0)  # a disabled scaler never uses it
+        assert disabled.state_dict() == {}
+    theirs, ours = saved
+    assert {key: ours[key] for key in theirs} == theirs
+    assert (theirs["scale"], theirs["_growth_tracker"]) == (32768.0, 5)
+
+
+def test_the_live_scale_keeps_its_identity_when_assigned() -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    live = scaler._scale
+    scaler._scale = 8.0
+    assert scaler._scale is live and live.item() == 8.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "wrong"),
+    [
+        ("_scale", 0.0, "_scale must be"),
+        ("_scale", float("inf"), "_scale must be"),
+        ("_scale", torch.ones(2), "_scale must be a real number"),
+        ("_growth_tracker", -1, "_growth_tracker must be >= 0"),
+        ("_growth_tracker", 1.5, "_growth_tracker must be an int"),
+    ],
+)
+def test_assigning_a_value_the_state_cannot_hold_is_refused_and_changes_nothing(
+    name: str, value: object, wrong: str
+) -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=64.0)
+    before = scaler.state_dict()
+    with pytest.raises(ampscaler.InvalidConfigError, match=wrong):
+        setattr(scaler, name, value)
+    assert scaler.state_dict() == before

@@ -7,7 +7,11 @@ values and effects torch gives them, from the scaler's own parts: its state
 (``self._iteration``, an :class:`~ampscaler.iteration.Iteration`). Each name, and who uses it:
 
 - ``_scale``, ``_growth_tracker``: the live tensors (``None`` before a device is known);
-  torch's CUDA-graph tests and pickling test read them.
+  torch's CUDA-graph tests and pickling test read them. Assigning one (training code holding
+  the scale at a floor of its own, ``if scaler._scale < m: scaler._scale = torch.tensor(m)``,
+  or a test setting a state to save) sets its value, validated as ``update(new_scale)`` is
+  (an ``InvalidConfigError`` naming it; nothing changes): the live tensor keeps its identity,
+  where torch's takes the new tensor.
 - ``_get_scale_async()``: the scale tensor without a sync (Accelerate, torch's tests);
   ``_get_growth_tracker()``: the growth tracker as an int (a host sync; torch's tests).
 - ``_init_scale``, ``_init_growth_tracker``: the scale and growth tracker given at construction,
@@ -77,7 +81,9 @@ from .errors import ScalerUsageError, warn_at_caller
 from .grads.check import combined_flag, unscale_per_device_
 from .grads.collect import collect
 from .iteration import Iteration
+from .policy.base import float32_value, require_int
 from .policy.derived import torch_rule
+from .policy.scale import INT32_MAX
 from .state import ScalerState
 
 if TYPE_CHECKING:
@@ -137,10 +143,25 @@ class TorchPrivateNames:
     def _scale(self) -> torch.Tensor | None:
         return self._get_scale_async()
 
+    @_scale.setter
+    def _scale(self, value: object) -> None:
+        # Code written for torch's scaler assigns it to set the value (a floor of its own after
+        # update(), or a state before saving): written into the live scale, which keeps its
+        # identity. A disabled scaler never uses it, as torch's does not.
+        if self._enabled:
+            scale = float32_value(self._state.policy.check_scale("_scale", value))
+            self._state.put(scale=scale)
+
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
         live = self._state.live
         return None if live is None else live.growth_tracker
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value: object) -> None:
+        if self._enabled:  # as _scale
+            count = require_int("_growth_tracker", value, 0, INT32_MAX, integral_floats=True)
+            self._state.put(growth_tracker=count)
 
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor without a sync (``None`` before a device is known)."""

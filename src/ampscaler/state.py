@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -174,7 +174,7 @@ class StepCounters:
                 flags.append(torch.zeros_like(found_inf) if veto is None else veto.flag)
         self._old.append(old_scale)
         if len(self._found) >= FOLD_EVERY:
-            self._fold()
+            self.fold()
 
     def count_now(
         self,
@@ -183,7 +183,7 @@ class StepCounters:
         vetoes: Mapping[VetoCause, Veto] = NO_VETOES,
     ) -> None:
         """:meth:`record`, counted at once in place: nothing is kept for later."""
-        self._fold()
+        self.fold()
         flags = {cause: veto.flag.reshape(1) for cause, veto in vetoes.items()}
         self._count(found_inf.reshape(1), flags, old_scale.reshape(1))
 
@@ -191,7 +191,7 @@ class StepCounters:
     def values(self) -> torch.Tensor:
         """The counters in :class:`ScalerStats`' order, an int64 tensor on the device (no
         sync; the same tensor, updated in place)."""
-        self._fold()
+        self.fold()
         return self._values
 
     @property
@@ -212,7 +212,10 @@ class StepCounters:
         """One more replayed batch (in place; no sync)."""
         self._values[_REPLAYS].add_(1)
 
-    def _fold(self) -> None:
+    def fold(self) -> None:
+        """Count the kept iterations now, in place (no sync): each ended where the next one
+        started, the last one at the live scale, so fold before the scale is written from
+        outside an iteration."""
         if self._found:
             device = self._values.device
             found = _stacked(self._found, device)
@@ -608,6 +611,22 @@ class ScalerState:
             live.counters.record(found_inf, old, vetoes)
         self._saw(value)
         return old
+
+    def put(self, scale: float | None = None, growth_tracker: int | None = None) -> None:
+        """Set the scale or the growth tracker outside an iteration, as code written for
+        torch's scaler does by assigning ``scaler._scale`` or ``scaler._growth_tracker``;
+        everything else stays. Validated by the caller. No host sync."""
+        live = self.live
+        if scale is not None:
+            self._host = replace(self._host, scale=scale)
+            if live is not None:
+                live.counters.fold()  # the iterations so far ended at the scale before
+                self._policy.set_scale_(live.tensors, scale)
+            self._saw(scale)
+        if growth_tracker is not None:
+            self._host = replace(self._host, growth_tracker=growth_tracker)
+            if live is not None:
+                live.growth_tracker.fill_(growth_tracker)
 
     def count_replay(self) -> None:
         """One more batch replayed (``stats.replays``). No host sync."""
