@@ -33,7 +33,12 @@ import differential  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--count", type=int, default=1000, help="how many seeds (default 1000)")
+    parser.add_argument(
+        "--count",
+        type=int,
+        default=None,
+        help="how many seeds (default 1000; with --minutes, as many as fit)",
+    )
     parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
     parser.add_argument("--every", type=int, default=500, help="a progress line every N seeds")
     args = parser.parse_args(argv)
@@ -42,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     world = differential.world_of_one()
     deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
     start, done, failed = time.monotonic(), 0, []
-    for seed in range(args.seed, args.seed + args.count):
+    count = args.count if args.count is not None else 1000 if args.minutes is None else sys.maxsize
+    for seed in range(args.seed, args.seed + count):
         if deadline is not None and time.monotonic() > deadline:
             break
         difference = differential.check(seed, world)
