@@ -360,3 +360,28 @@ def test_an_update_that_ends_the_iteration_as_torchs_does_is_refused_with_what_t
     ours = type("Ours", (TorchStyleUpdate, ampscaler.GradScaler), {})("cpu")
     with pytest.raises(AttributeError, match=r"must call super\(\)\.update\(\).*ScalePolicy"):
         _train(ours, steps=1, inf_at=-1)
+
+
+class CopiedShardedUnscale:
+    """An unscale_() copied from torch's sharded scaler: it writes the per-optimizer state."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        state = self._per_optimizer_states[id(optimizer)]  # type: ignore[attr-defined]
+        scale = self._scale  # type: ignore[attr-defined]
+        inv_scale = scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(  # type: ignore[attr-defined]
+            optimizer, inv_scale, found_inf, True
+        )
+        state["stage"] = torch.amp.grad_scaler.OptState.UNSCALED
+
+
+def test_writing_the_per_optimizer_state_says_what_to_do_instead() -> None:
+    theirs = type("Theirs", (CopiedShardedUnscale, torch.amp.GradScaler), {})("cpu")
+    _train(theirs, steps=2, inf_at=-1)  # torch's runs it
+    ours = type("Ours", (CopiedShardedUnscale, ampscaler.GradScaler), {})("cpu")
+    with pytest.raises(TypeError, match=r"read-only view.*super\(\)\.unscale_\(optimizer\)"):
+        _train(ours, steps=1, inf_at=-1)
+    scaler = ampscaler.GradScaler("cpu")
+    with pytest.raises(TypeError, match="'stage'"):
+        scaler._per_optimizer_states[12345]["stage"] = torch.amp.grad_scaler.OptState.UNSCALED

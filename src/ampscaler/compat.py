@@ -20,7 +20,10 @@ values and effects torch gives them, from the scaler's own parts: its state
 - ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState,
   "found_inf_per_device": {device: flag}}}`` for the iteration in progress, a new
   ``defaultdict`` on each read (torch's tests, code that checks whether an optimizer was
-  unscaled). The flag is the optimizer's combined flag, on the scale's device. Assigning it (how
+  unscaled). The flag is the optimizer's combined flag, on the scale's device. An entry is
+  read-only: writing to it (an ``unscale_()`` copied from torch's sharded scaler writes
+  ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError`` that says to call
+  ``super().unscale_()`` and change the flags in place instead. Assigning it (how
   torch's ``update()`` ends an iteration, and so code that copies that ``update()`` into a
   subclass) raises an ``AttributeError`` that says to call ``super().update()``.
 - ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
@@ -71,8 +74,8 @@ code calling it gets.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast
 
 import torch
 from torch.amp.grad_scaler import OptState as TorchOptState
@@ -103,8 +106,39 @@ NOT_CALLED = (
 _N = TypeVar("_N", float, int)
 
 
-def _ready_state() -> dict[str, Any]:
-    return {"stage": TorchOptState.READY, "found_inf_per_device": {}}
+class _OptimizerEntry(Mapping[str, Any]):
+    """One optimizer's entry of ``_per_optimizer_states``, read from the iteration: ``stage``
+    and ``found_inf_per_device``. Read-only: a write would change nothing, so code that writes
+    there (an ``unscale_()`` copied from torch's sharded scaler) is told what to do instead."""
+
+    def __init__(
+        self,
+        stage: TorchOptState = TorchOptState.READY,
+        found_inf_per_device: dict[torch.device, torch.Tensor] | None = None,
+    ) -> None:
+        self._values = {"stage": stage, "found_inf_per_device": found_inf_per_device or {}}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(self._values)
+
+    def __setitem__(self, key: str, value: object) -> NoReturn:
+        raise TypeError(
+            f"_per_optimizer_states is a read-only view on ampscaler's GradScaler: writing "
+            f"{key!r} there (as an unscale_() copied from torch's sharded scaler does) would "
+            "change nothing. Override unscale_ by calling super().unscale_(optimizer) and then "
+            "change the flags in place (for flag in scaler._found_inf_per_device(optimizer)"
+            ".values(): dist.all_reduce(flag, group=...)), or pass process_group= and let the "
+            "scaler agree across ranks."
+        )
 
 
 class _RuleNumber(Generic[_N]):
@@ -184,14 +218,12 @@ class TorchPrivateNames:
     # ------------------------------------------------------------------ per optimizer
 
     @property
-    def _per_optimizer_states(self) -> defaultdict[int, dict[str, Any]]:
-        states: defaultdict[int, dict[str, Any]] = defaultdict(_ready_state)
+    def _per_optimizer_states(self) -> defaultdict[int, _OptimizerEntry]:
+        states: defaultdict[int, _OptimizerEntry] = defaultdict(_OptimizerEntry)
         for key, record in self._iteration.records.items():
             found = record.found_inf
-            states[key] = {
-                "stage": TorchOptState[record.stage.name],
-                "found_inf_per_device": {} if found is None else {found.device: found},
-            }
+            stage = TorchOptState[record.stage.name]
+            states[key] = _OptimizerEntry(stage, None if found is None else {found.device: found})
         return states
 
     @_per_optimizer_states.setter
