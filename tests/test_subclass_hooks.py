@@ -354,12 +354,18 @@ class TorchStyleUpdate:
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
-def test_an_update_that_ends_the_iteration_as_torchs_does_is_refused_with_what_to_do() -> None:
-    theirs = type("Theirs", (TorchStyleUpdate, torch.amp.GradScaler), {})("cpu")
-    _train(theirs, steps=2, inf_at=-1)  # torch's runs it
-    ours = type("Ours", (TorchStyleUpdate, ampscaler.GradScaler), {})("cpu")
-    with pytest.raises(AttributeError, match=r"must call super\(\)\.update\(\).*ScalePolicy"):
+def _refused_where_torchs_runs(mixin: type, error: type[Exception], says: str) -> None:
+    """``mixin`` over torch's scaler trains; over ampscaler's it raises ``error`` saying what
+    to do instead."""
+    _train(type("Theirs", (mixin, torch.amp.GradScaler), {})("cpu"), steps=2, inf_at=-1)
+    ours = type("Ours", (mixin, ampscaler.GradScaler), {})("cpu")
+    with pytest.raises(error, match=says):
         _train(ours, steps=1, inf_at=-1)
+
+
+def test_an_update_that_ends_the_iteration_as_torchs_does_is_refused_with_what_to_do() -> None:
+    says = r"must call super\(\)\.update\(\).*ScalePolicy"
+    _refused_where_torchs_runs(TorchStyleUpdate, AttributeError, says)
 
 
 class CopiedShardedUnscale:
@@ -377,11 +383,8 @@ class CopiedShardedUnscale:
 
 
 def test_writing_the_per_optimizer_state_says_what_to_do_instead() -> None:
-    theirs = type("Theirs", (CopiedShardedUnscale, torch.amp.GradScaler), {})("cpu")
-    _train(theirs, steps=2, inf_at=-1)  # torch's runs it
-    ours = type("Ours", (CopiedShardedUnscale, ampscaler.GradScaler), {})("cpu")
-    with pytest.raises(TypeError, match=r"read-only view.*super\(\)\.unscale_\(optimizer\)"):
-        _train(ours, steps=1, inf_at=-1)
+    says = r"read-only view.*super\(\)\.unscale_\(optimizer\)"
+    _refused_where_torchs_runs(CopiedShardedUnscale, TypeError, says)
     scaler = ampscaler.GradScaler("cpu")
     with pytest.raises(TypeError, match="'stage'"):
         scaler._per_optimizer_states[12345]["stage"] = torch.amp.grad_scaler.OptState.UNSCALED
