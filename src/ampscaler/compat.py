@@ -303,10 +303,11 @@ class TorchPrivateNames:
         def _overridden(name: str, since: type = TorchPrivateNames) -> bool:
             return getattr(cls, name) is not getattr(since, name)
 
-        if _overridden("_lazy_init_scale_growth_tracker") and not hasattr(
-            cls._scale_on,  # type: ignore[attr-defined]
-            "initializes_lazily",
+        lazy_init = "_lazy_init_scale_growth_tracker"
+        if _overridden(lazy_init) and getattr(parent, lazy_init) is getattr(
+            TorchPrivateNames, lazy_init
         ):
+            # the first class to override it (a class below inherits the routed scale_on)
             cls._scale_on = _initializing_lazily(cls._scale_on)  # type: ignore[attr-defined]
         # unscale_ is the scaler's own (public): overridden below the class that defines it
         home = next((c for c in reversed(cls.__mro__) if "_unscale_in_step" in vars(c)), cls)
@@ -341,7 +342,6 @@ def _initializing_lazily(
             scaler._lazy_init_scale_growth_tracker(device)
         return scale_on(scaler, device)
 
-    _initialized_first.initializes_lazily = True  # type: ignore[attr-defined]
     return _initialized_first
 
 
@@ -374,7 +374,8 @@ def _through_maybe_opt_step(
 ) -> Any:
     """The subclass's ``_maybe_opt_step``, given the scaler's decision as torch's per-optimizer
     state: a float32 flag on the scale's device, 1.0 to skip (one small op)."""
-    device = scaler._state.require("step").device
+    assert record.found_inf is not None, "step() refuses an optimizer without gradients"
+    device = record.found_inf.device
     flag = torch.full((), float(skipped), dtype=torch.float32, device=device)
     state = {"stage": TorchOptState.UNSCALED, "found_inf_per_device": {device: flag}}
     return scaler._maybe_opt_step(record.optimizer, state, *args, **kwargs)

@@ -660,9 +660,8 @@ class GradScaler(TorchPrivateNames):
     # ``_unscale_grads_``, ``_maybe_opt_step``): a subclass that overrides one of those gets
     # these routed through it (ampscaler.compat).
 
-    def _unscale_in_step(self, record: OptimizerRecord, live: LiveState) -> None:
-        """``step()``'s unscale of a plain optimizer that ``unscale_()`` did not unscale."""
-        self._unscale(record, live)
+    #: ``step()``'s unscale of a plain optimizer that ``unscale_()`` did not unscale.
+    _unscale_in_step = _unscale
 
     def _unscale_and_check(
         self,
