@@ -159,17 +159,6 @@ class OptimizerRecord:
     reported: bool = False
 
 
-def _known_overflow(record: OptimizerRecord) -> bool | None:
-    """Whether a checked optimizer's gradients held inf/NaN, where the host knows it (a plain
-    step or ``unscale_()`` read it); ``None`` while it is a flag on the device."""
-    outcome = record.outcome
-    if outcome is None:
-        return record.known_overflow
-    if isinstance(outcome._found_inf, torch.Tensor):
-        return None
-    return bool(outcome._found_inf)
-
-
 class Iteration:
     """One iteration's records, losses and outcome (module docstring). A plain class: the
     values an iteration may never set are class attributes, so that the new iteration every
@@ -402,7 +391,7 @@ class Iteration:
                 continue  # not checked: not in the iteration's flag
             flags.append(flag)
             total = flag if total is None else total + flag
-            if known is not None:  # _known_overflow(record), without a frame per record
+            if known is not None:  # known on the host: read by a plain step or unscale_()
                 outcome = record.outcome
                 nonfinite = record.known_overflow if outcome is None else outcome._found_inf
                 if nonfinite is None or isinstance(nonfinite, torch.Tensor):
@@ -416,14 +405,7 @@ class Iteration:
         known on the host (a plain optimizer's step, or ``unscale_()``, read it); ``None`` when
         one is a flag still on the device (fused optimizers, one unscaled and not stepped
         under a ``process_group``). No host sync."""
-        known = False
-        for record in self.records.values():
-            if record.found_inf is not None:  # checked
-                nonfinite = _known_overflow(record)
-                if nonfinite is None:
-                    return None
-                known = known or nonfinite
-        return known
+        return self.checked_flags()[2]
 
     def refuse_unchecked(self) -> NoReturn:
         """Raise: ``update()`` needs a flag, and no optimizer was checked.
