@@ -68,10 +68,11 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,11 +127,7 @@ class UnderflowCounts(Plain):
     flushed: int = 0
 
     def __add__(self, other: UnderflowCounts) -> UnderflowCounts:
-        return UnderflowCounts(
-            self.carrying_signal + other.carrying_signal,
-            self.underflowed + other.underflowed,
-            self.flushed + other.flushed,
-        )
+        return UnderflowCounts(*map(operator.add, astuple(self), astuple(other)))
 
     @property
     def fraction(self) -> float:
@@ -183,8 +180,7 @@ def count_underflow(grad: torch.Tensor, reference: torch.Tensor | None = None) -
         >>> count_underflow(torch.tensor([1e-9, 1e-6, 1.0, 0.0]).half())  # zero in fp16: counted
         UnderflowCounts(carrying_signal=4, underflowed=3, flushed=2)
     """
-    signal, underflowed, flushed = _count(grad, reference).tolist()
-    return UnderflowCounts(signal, underflowed, flushed)
+    return UnderflowCounts(*_count(grad, reference).tolist())
 
 
 @dataclass(frozen=True)
@@ -413,10 +409,8 @@ class GradientProbe(Hook):
 
     def before_update(self, iteration: Iteration, live: LiveState) -> None:
         """As a hook: :meth:`end_iteration`, leaving its results in ``iteration``'s notes
-        (:data:`PROBE_NOTE`) for the step record."""
-        pending = self.end_iteration()
-        if pending is not None:
-            iteration.notes[PROBE_NOTE] = pending
+        (:data:`PROBE_NOTE`; ``None``: nothing measured) for the step record."""
+        iteration.notes[PROBE_NOTE] = self.end_iteration()
 
     def end_iteration(self) -> PendingProbe | None:
         """End the iteration: its results (``None`` if it measured nothing), and the hooks set
