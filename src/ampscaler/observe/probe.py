@@ -237,11 +237,10 @@ def flushed_wording(dtypes: Sequence[str]) -> str:
 
 
 def _headroom(largest: float) -> float:
-    if math.isnan(largest):
-        return math.nan
+    """``log2(65504 / largest)``, NaN for NaN; ``inf`` for 0 and ``-inf`` for inf."""
     if largest == 0.0:
         return math.inf
-    return math.log2(FP16_MAX / largest) if math.isfinite(largest) else -math.inf
+    return -math.inf if math.isinf(largest) else math.log2(FP16_MAX / largest)
 
 
 @dataclass(frozen=True)
