@@ -339,21 +339,15 @@ class CollapseWatch:
         rate = (skipped - last_skipped) / done if done > 0 else 0.0
         reference = self._max_scale
         self._max_scale = scale if reference is None else max(reference, scale)
+        scale_drop, skip_rate = self.scale_drop, self.skip_rate
         reasons = []
-        if (
-            self.scale_drop is not None
-            and reference is not None
-            and scale < reference * self.scale_drop
-        ):
+        if scale_drop is not None and reference is not None and scale < reference * scale_drop:
             reasons.append("scale")
-        if self.skip_rate is not None and done > 0 and rate >= self.skip_rate:
+        if skip_rate is not None and rate >= skip_rate:  # no step done: rate 0, never a collapse
             reasons.append("skip_rate")
-        if not reasons:
-            self._collapsing = False
+        was_collapsing, self._collapsing = self._collapsing, bool(reasons)
+        if not reasons or was_collapsing:
             return
-        if self._collapsing:
-            return
-        self._collapsing = True
         alert = CollapseAlert(
             first_step=int(last_steps),
             last_step=int(steps) - 1,

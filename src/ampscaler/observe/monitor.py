@@ -188,11 +188,10 @@ class Monitor(Hook):
         pending: PendingProbe | None = iteration.notes.get(PROBE_NOTE)
         found_inf, old_scale, new_scale = iteration.found_inf, iteration.scale, iteration.new_scale
         assert found_inf is not None and old_scale is not None and new_scale is not None
-        outcome = [found_inf]
-        for cause in (VetoCause.GUARD, VetoCause.FLUSHED):  # the record's spike, flushed
-            veto = iteration.vetoes.get(cause)
-            outcome.append(torch.zeros_like(found_inf) if veto is None else veto.flag)
-        outcome = [t.to(old_scale.device, found_inf.dtype) for t in outcome]
+        # The record's spike and flushed: the flags of the guards' and the meter's vetoes.
+        vetoes = [iteration.vetoes.get(cause) for cause in (VetoCause.GUARD, VetoCause.FLUSHED)]
+        flags = [torch.zeros_like(found_inf) if veto is None else veto.flag for veto in vetoes]
+        outcome = [t.to(old_scale.device, found_inf.dtype) for t in (found_inf, *flags)]
         tensors = [torch.stack([*outcome, old_scale, new_scale]), live.counters.steps]
         if pending is not None:
             tensors += [t.to(old_scale.device) for t in pending.values]

@@ -414,15 +414,15 @@ class GradientProbe(Hook):
     def end_iteration(self) -> PendingProbe | None:
         """End the iteration: its results (``None`` if it measured nothing), and the hooks set
         for the next one (registered when it is probed, removed otherwise). No host sync."""
-        pending = self._take()
-        self._reference = {}
+        pending = self._take() if self._elements or self._modules else None
+        self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
+        self._dtypes, self._reference = set(), {}
         self._iteration += 1
         self._taps.arm(self.due, self._models)
         return pending
 
-    def _take(self) -> PendingProbe | None:
-        if not self._elements and not self._modules:
-            return None
+    def _take(self) -> PendingProbe:
+        """What the iteration measured, on the device: (a) and (b), and (c) per module."""
         modules = list(self._modules.values())
         device = (self._counts or modules)[0].device
         if self._elements:
@@ -432,16 +432,13 @@ class GradientProbe(Hook):
             counts = torch.zeros(3, dtype=torch.int64, device=device)
             largest = torch.zeros((), device=device)
         per_module = torch.cat([c.to(device) for c in modules]) if modules else counts[:0]
-        pending = PendingProbe(
+        return PendingProbe(
             self._elements,
             [counts, largest, per_module],
             list(self._modules),
             self.worst_modules,
             tuple(sorted(str(dtype).removeprefix("torch.") for dtype in self._dtypes)),
         )
-        self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
-        self._dtypes = set()
-        return pending
 
     def __reduce__(self) -> tuple[Callable[..., GradientProbe], tuple[Any, ...]]:
         # Hooks and watched models belong to this process: a copy starts a fresh schedule and
