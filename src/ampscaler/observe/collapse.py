@@ -343,7 +343,7 @@ class CollapseWatch:
         reasons = []
         if scale_drop is not None and reference is not None and scale < reference * scale_drop:
             reasons.append("scale")
-        if skip_rate is not None and rate >= skip_rate:  # no step done: rate 0, never a collapse
+        if skip_rate is not None and done > 0 and rate >= skip_rate:
             reasons.append("skip_rate")
         was_collapsing, self._collapsing = self._collapsing, bool(reasons)
         if not reasons or was_collapsing:
