@@ -178,10 +178,12 @@ class MasterWeightOptimizer(Optimizer):
 
         # Make every master before rewiring any group, so that a bad parameter raises
         # with the caller's optimizer still untouched.
-        wrapped = [self._wrap_params(group["params"]) for group in optimizer.param_groups]
+        made: dict[Tensor, Tensor] = {}
+        wrapped = [self._wrap_params(group["params"], made) for group in optimizer.param_groups]
         for group, params in zip(optimizer.param_groups, wrapped, strict=True):
             # In place: some optimizers keep a reference to the list (LBFGS's _params).
             group["params"][:] = params
+        self._adopt(made)
         self._move_state_to_masters()
 
         if not self._pairs:
@@ -399,19 +401,12 @@ class MasterWeightOptimizer(Optimizer):
                 "optimizer parameters need to be an ordered collection (a list), not a set: "
                 "the order of a set changes between runs, and checkpoints rely on it."
             )
-        n_before = len(self._pairs)
-        group = dict(param_group)
-        try:
-            group["params"] = self._wrap_params(params)
-            self._inner.add_param_group(group)
-        except BaseException:
-            # Undo the masters made for this group, so a failed call changes nothing.
-            for param, master in self._pairs[n_before:]:
-                del self._master_of[param]
-                del self._model_of[master]
-            del self._pairs[n_before:]
-            del self._model_versions[n_before:]
-            raise
+        # The masters are adopted only once the inner optimizer took the group, so a failed
+        # call changes nothing.
+        made: dict[Tensor, Tensor] = {}
+        group = dict(param_group, params=self._wrap_params(params, made))
+        self._inner.add_param_group(group)
+        self._adopt(made)
         self._copied_grads = None
 
     # --- checkpoints ------------------------------------------------------------------------
@@ -525,10 +520,11 @@ class MasterWeightOptimizer(Optimizer):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
 
-    def _wrap_params(self, params: Iterable[Any]) -> list[Any]:
+    def _wrap_params(self, params: Iterable[Any], made: dict[Tensor, Tensor]) -> list[Any]:
         """Return ``params`` with each fp16/bf16 tensor replaced by a new fp32 master.
 
-        ``(name, tensor)`` pairs keep their name. Records the pairs as it goes.
+        ``(name, tensor)`` pairs keep their name. Adds each (model param, master) pair to
+        ``made``, for :meth:`_adopt` once the masters are in the inner optimizer.
         """
         wrapped: list[Any] = []
         for item in params:
@@ -540,12 +536,12 @@ class MasterWeightOptimizer(Optimizer):
                 )
             replacement = param
             if param.dtype in LOW_PRECISION_DTYPES:
-                replacement = self._make_master(param)
+                replacement = made[param] = self._make_master(param, made)
             wrapped.append(replacement if name is None else (name, replacement))
         return wrapped
 
-    def _make_master(self, param: Tensor) -> Tensor:
-        if param in self._master_of:
+    def _make_master(self, param: Tensor, made: dict[Tensor, Tensor]) -> Tensor:
+        if param in self._master_of or param in made:
             raise ValueError(
                 "some parameters appear in more than one parameter group (a "
                 f"{_DTYPE_NAMES[param.dtype]} tensor of shape {tuple(param.shape)} is "
@@ -559,12 +555,14 @@ class MasterWeightOptimizer(Optimizer):
                 "tensor in its dtype directly, or use t.detach().requires_grad_(), or an "
                 "nn.Parameter of a module converted with .half()."
             )
-        master = param.detach().to(dtype=torch.float32, copy=True).requires_grad_(True)
-        self._pairs.append((param, master))
-        self._master_of[param] = master
-        self._model_of[master] = param
-        self._model_versions.append(param._version)
-        return master
+        return param.detach().to(dtype=torch.float32, copy=True).requires_grad_(True)
+
+    def _adopt(self, made: dict[Tensor, Tensor]) -> None:
+        """Record the (model param, master) pairs ``made``, in order."""
+        self._pairs.extend(made.items())
+        self._master_of.update(made)
+        self._model_of.update((master, param) for param, master in made.items())
+        self._model_versions.extend(param._version for param in made)
 
     def _move_state_to_masters(self) -> None:
         # An optimizer wrapped after it has stepped (or loaded a state dict) keys its state

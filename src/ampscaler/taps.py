@@ -70,8 +70,7 @@ class WatchedModels:
 
     def __iter__(self) -> Iterator[tuple[torch.nn.Module, str]]:
         """The models still alive, in the order they were added (dead ones are forgotten)."""
-        alive = [(ref(), prefix) for ref, prefix in self._models]
-        live = [(model, prefix) for model, prefix in alive if model is not None]
+        live = [(model, prefix) for ref, prefix in self._models if (model := ref()) is not None]
         self._models = [(weakref.ref(model), prefix) for model, prefix in live]
         return iter(live)
 

@@ -76,21 +76,15 @@ class FusedRoute:
             self.one_pass
             and exact
             and not hasattr(optimizer, "grad_scale")
-            and _kernel_divides(optimizer)
+            # torch's own fused kernel steps: the optimizer's, or the inner one of a wrapper
+            # that steps one (such as ampscaler.MasterWeightOptimizer).
+            and type(getattr(optimizer, "inner", optimizer)) in _DIVIDING_FUSED
             and all(dtype in _WIDE_FLOATS for per_dtype in groups.values() for dtype in per_dtype)
         ):
             # 1/scale is exact in float32 here: no need to form it in float64 first.
             return scale.reciprocal(), None
         ones = torch.ones((), dtype=torch.float32, device=scale.device)
         return ones, scale * getattr(optimizer, "grad_scale", 1)
-
-
-def _kernel_divides(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s step runs one of torch's fused optimizers: itself, or the
-    ``inner`` optimizer of a wrapper that steps one (such as
-    :class:`~ampscaler.MasterWeightOptimizer`)."""
-    stepping = getattr(optimizer, "inner", optimizer)
-    return type(stepping) in _DIVIDING_FUSED
 
 
 def step_fused(

@@ -226,7 +226,7 @@ class CollapseWatch:
         check_switch("log", self.log)
         self._updates = 0
         self._pending: HostCopy | None = None
-        self._last: tuple[float, float] | None = None  # (steps, skipped) at the last check
+        self._last = (0.0, 0.0)  # (steps, skipped) at the last check
         self._max_scale: float | None = None
         self._collapsing = False
         self._logged = False
@@ -258,19 +258,16 @@ class CollapseWatch:
         updates = self._updates = before + updates
         if updates // self.window > before // self.window:
             self._window_ended = updates - updates % self.window
+        # During a collapse whose scale was last seen below 2**-64, look after every update
+        # until the floor is seen.
+        nearing_floor = self._collapsing and not self._at_floor and self._last_scale < NEAR_FLOOR
         if self._pending is not None or (
-            self.active and (self._window_ended is not None or self._nearing_floor)
+            self.active and (self._window_ended is not None or nearing_floor)
         ):
             self._look(live, lambda: iteration.loss_origin().cause)
         if self._pending is not None or self._collapsing:
             return 1
         return self.window - updates % self.window
-
-    @property
-    def _nearing_floor(self) -> bool:
-        """Whether to look after every update: a collapse is on, the scale last seen was below
-        ``2**-64`` and the floor has not been seen yet."""
-        return self._collapsing and not self._at_floor and self._last_scale < NEAR_FLOOR
 
     def _look(self, live: LiveState, latest_cause: Callable[[], str | None]) -> None:
         if self._pending is None:
@@ -336,27 +333,21 @@ class CollapseWatch:
             fn(alert)
 
     def _judge(self, steps: float, skipped: float, scale: float) -> None:
-        last_steps, last_skipped = self._last or (0.0, 0.0)
+        last_steps, last_skipped = self._last
         self._last = (steps, skipped)
         done = steps - last_steps
         rate = (skipped - last_skipped) / done if done > 0 else 0.0
         reference = self._max_scale
         self._max_scale = scale if reference is None else max(reference, scale)
+        scale_drop, skip_rate = self.scale_drop, self.skip_rate
         reasons = []
-        if (
-            self.scale_drop is not None
-            and reference is not None
-            and scale < reference * self.scale_drop
-        ):
+        if scale_drop is not None and reference is not None and scale < reference * scale_drop:
             reasons.append("scale")
-        if self.skip_rate is not None and done > 0 and rate >= self.skip_rate:
+        if skip_rate is not None and done > 0 and rate >= skip_rate:
             reasons.append("skip_rate")
-        if not reasons:
-            self._collapsing = False
+        was_collapsing, self._collapsing = self._collapsing, bool(reasons)
+        if not reasons or was_collapsing:
             return
-        if self._collapsing:
-            return
-        self._collapsing = True
         alert = CollapseAlert(
             first_step=int(last_steps),
             last_step=int(steps) - 1,

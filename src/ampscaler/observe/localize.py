@@ -276,8 +276,6 @@ def merge_reports(reports: Sequence[OverflowReport]) -> OverflowReport:
         >>> merge_reports([a, b]).kinds
         {'w': 'inf', 'b': 'nan'}
     """
-    if len(reports) == 1:
-        return reports[0]
     kinds: dict[str, str] = {}
     for report in reports:
         for name in report.names:
@@ -285,17 +283,6 @@ def merge_reports(reports: Sequence[OverflowReport]) -> OverflowReport:
     origin = next((r.origin for r in reports if r.origin is not None), None)
     # The step, scale, rank and what the iteration's losses say are the same in every report.
     return dataclasses.replace(reports[0], names=list(kinds), kinds=kinds, origin=origin)
-
-
-def _finite_flag(grad: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor: whether ``grad`` is all finite. No host sync.
-
-    A sum is non-finite when an element is, and far cheaper than ``isfinite(grad).all()``;
-    half-precision gradients are summed in float32, so finite ones cannot overflow it.
-    """
-    values = grad._values() if grad.is_sparse else grad
-    wide = torch.float32 if values.dtype in (torch.float16, torch.bfloat16) else None
-    return torch.isfinite(values.sum(dtype=wide))
 
 
 class NonFiniteTracer(Hook):
@@ -325,8 +312,15 @@ class NonFiniteTracer(Hook):
         self._taps.detach()
 
     def _record(self, name: str, where: str, grad: torch.Tensor) -> None:
+        """Record whether ``grad`` is all finite, as a 0-dim bool tensor (no host sync).
+
+        A sum is non-finite when an element is, and far cheaper than ``isfinite(grad).all()``;
+        half-precision gradients are summed in float32, so finite ones cannot overflow it.
+        """
         with torch.no_grad():
-            self._events.append((name, where, _finite_flag(grad)))
+            values = grad._values() if grad.is_sparse else grad
+            wide = torch.float32 if values.dtype in (torch.float16, torch.bfloat16) else None
+            self._events.append((name, where, torch.isfinite(values.sum(dtype=wide))))
 
     @property
     def events(self) -> list[TraceEvent]:

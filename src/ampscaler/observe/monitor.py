@@ -183,24 +183,16 @@ class Monitor(Hook):
         self.collapse.note_skip(report, lambda: int(counters.consecutive_skips.item()))
 
     def after_update(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
-        """Emit the iteration's record (due only while anything consumes records)."""
-        self._emit(iteration, live.counters, iteration.notes.get(PROBE_NOTE))
-
-    def periodic(self, iteration: Iteration, live: LiveState, updates: int) -> int:
-        """The collapse watch looks at the counters when it has work."""
-        return self.collapse.periodic(iteration, live, updates)
-
-    def _emit(
-        self, iteration: Iteration, counters: StepCounters, pending: PendingProbe | None
-    ) -> None:
+        """Emit the iteration's record, with the results a probe left in its notes (due only
+        while anything consumes records)."""
+        pending: PendingProbe | None = iteration.notes.get(PROBE_NOTE)
         found_inf, old_scale, new_scale = iteration.found_inf, iteration.scale, iteration.new_scale
         assert found_inf is not None and old_scale is not None and new_scale is not None
-        outcome = [found_inf]
-        for cause in (VetoCause.GUARD, VetoCause.FLUSHED):  # the record's spike, flushed
-            veto = iteration.vetoes.get(cause)
-            outcome.append(torch.zeros_like(found_inf) if veto is None else veto.flag)
-        outcome = [t.to(old_scale.device, found_inf.dtype) for t in outcome]
-        tensors = [torch.stack([*outcome, old_scale, new_scale]), counters.steps]
+        # The record's spike and flushed: the flags of the guards' and the meter's vetoes.
+        vetoes = [iteration.vetoes.get(cause) for cause in (VetoCause.GUARD, VetoCause.FLUSHED)]
+        flags = [torch.zeros_like(found_inf) if veto is None else veto.flag for veto in vetoes]
+        outcome = [t.to(old_scale.device, found_inf.dtype) for t in (found_inf, *flags)]
+        tensors = [torch.stack([*outcome, old_scale, new_scale]), live.counters.steps]
         if pending is not None:
             tensors += [t.to(old_scale.device) for t in pending.values]
         read = read_values(tensors)  # the one host sync
@@ -225,6 +217,10 @@ class Monitor(Hook):
         for event, due in zip(RECORD_EVENTS, happened, strict=True):
             for fn in list(self._callbacks[event]) if due else ():
                 self._hand(fn, record, fn)
+
+    def periodic(self, iteration: Iteration, live: LiveState, updates: int) -> int:
+        """The collapse watch looks at the counters when it has work."""
+        return self.collapse.periodic(iteration, live, updates)
 
     def _hand(
         self, consumer: Callable[[StepRecord], object], record: StepRecord, owner: object

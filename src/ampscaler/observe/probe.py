@@ -68,10 +68,11 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,11 +127,7 @@ class UnderflowCounts(Plain):
     flushed: int = 0
 
     def __add__(self, other: UnderflowCounts) -> UnderflowCounts:
-        return UnderflowCounts(
-            self.carrying_signal + other.carrying_signal,
-            self.underflowed + other.underflowed,
-            self.flushed + other.flushed,
-        )
+        return UnderflowCounts(*map(operator.add, astuple(self), astuple(other)))
 
     @property
     def fraction(self) -> float:
@@ -183,8 +180,7 @@ def count_underflow(grad: torch.Tensor, reference: torch.Tensor | None = None) -
         >>> count_underflow(torch.tensor([1e-9, 1e-6, 1.0, 0.0]).half())  # zero in fp16: counted
         UnderflowCounts(carrying_signal=4, underflowed=3, flushed=2)
     """
-    signal, underflowed, flushed = _count(grad, reference).tolist()
-    return UnderflowCounts(signal, underflowed, flushed)
+    return UnderflowCounts(*_count(grad, reference).tolist())
 
 
 @dataclass(frozen=True)
@@ -241,11 +237,10 @@ def flushed_wording(dtypes: Sequence[str]) -> str:
 
 
 def _headroom(largest: float) -> float:
-    if math.isnan(largest):
-        return math.nan
+    """``log2(65504 / largest)``, NaN for NaN; ``inf`` for 0 and ``-inf`` for inf."""
     if largest == 0.0:
         return math.inf
-    return math.log2(FP16_MAX / largest) if math.isfinite(largest) else -math.inf
+    return -math.inf if math.isinf(largest) else math.log2(FP16_MAX / largest)
 
 
 @dataclass(frozen=True)
@@ -413,23 +408,21 @@ class GradientProbe(Hook):
 
     def before_update(self, iteration: Iteration, live: LiveState) -> None:
         """As a hook: :meth:`end_iteration`, leaving its results in ``iteration``'s notes
-        (:data:`PROBE_NOTE`) for the step record."""
-        pending = self.end_iteration()
-        if pending is not None:
-            iteration.notes[PROBE_NOTE] = pending
+        (:data:`PROBE_NOTE`; ``None``: nothing measured) for the step record."""
+        iteration.notes[PROBE_NOTE] = self.end_iteration()
 
     def end_iteration(self) -> PendingProbe | None:
         """End the iteration: its results (``None`` if it measured nothing), and the hooks set
         for the next one (registered when it is probed, removed otherwise). No host sync."""
-        pending = self._take()
-        self._reference = {}
+        pending = self._take() if self._elements or self._modules else None
+        self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
+        self._dtypes, self._reference = set(), {}
         self._iteration += 1
         self._taps.arm(self.due, self._models)
         return pending
 
-    def _take(self) -> PendingProbe | None:
-        if not self._elements and not self._modules:
-            return None
+    def _take(self) -> PendingProbe:
+        """What the iteration measured, on the device: (a) and (b), and (c) per module."""
         modules = list(self._modules.values())
         device = (self._counts or modules)[0].device
         if self._elements:
@@ -439,16 +432,13 @@ class GradientProbe(Hook):
             counts = torch.zeros(3, dtype=torch.int64, device=device)
             largest = torch.zeros((), device=device)
         per_module = torch.cat([c.to(device) for c in modules]) if modules else counts[:0]
-        pending = PendingProbe(
+        return PendingProbe(
             self._elements,
             [counts, largest, per_module],
             list(self._modules),
             self.worst_modules,
             tuple(sorted(str(dtype).removeprefix("torch.") for dtype in self._dtypes)),
         )
-        self._counts, self._maxima, self._elements, self._modules = [], [], 0, {}
-        self._dtypes = set()
-        return pending
 
     def __reduce__(self) -> tuple[Callable[..., GradientProbe], tuple[Any, ...]]:
         # Hooks and watched models belong to this process: a copy starts a fresh schedule and

@@ -37,9 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = ["JsonlSink", "LoggingSink", "Sink", "StepHistory", "TensorBoardSink"]
 
-#: The longest history a deque can hold (its ``maxlen`` is a C ``Py_ssize_t``).
-_LONGEST = sys.maxsize
-
 
 @runtime_checkable
 class Sink(Protocol):
@@ -70,7 +67,8 @@ class StepHistory:
     """
 
     def __init__(self, maxlen: int) -> None:
-        self._maxlen = require_int("StepHistory maxlen", maxlen, 1, _LONGEST)
+        # The longest history a deque can hold: its ``maxlen`` is a C ``Py_ssize_t``.
+        self._maxlen = require_int("StepHistory maxlen", maxlen, 1, sys.maxsize)
         self._records: deque[StepRecord] = deque(maxlen=self._maxlen)
 
     @property
@@ -306,12 +304,8 @@ class LoggingSink:
             if len(self._period) >= self.every:
                 self._summarize()
             return
-        if record.skipped:
-            level = logging.WARNING
-        elif record.grew or record.backed_off or record.spike or record.probe is not None:
-            level = logging.INFO
-        else:
-            level = self.level
+        changed = record.grew or record.backed_off or record.spike or record.probe is not None
+        level = logging.WARNING if record.skipped else logging.INFO if changed else self.level
         self.logger.log(level, "%s", record)
 
     def _summarize(self) -> None:
