@@ -287,7 +287,9 @@ class GradPlanner:
             ValueError: a float16 gradient when ``allow_fp16`` is false.
         """
         try:
-            entry = self._entries.setdefault(optimizer, _Entry())
+            entry = self._entries.get(optimizer)
+            if entry is None:  # setdefault would make an entry and a weak reference every step
+                entry = self._entries[optimizer] = _Entry()
         except TypeError:  # not hashable or not weakly referenceable: nothing to remember by
             return collect(optimizer, allow_fp16=allow_fp16, local=local)
         counts = [len(group["params"]) for group in optimizer.param_groups]
