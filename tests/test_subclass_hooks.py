@@ -343,15 +343,129 @@ def test_the_scalers_own_subclasses_warn_of_nothing() -> None:
 
 
 class TorchStyleUpdate:
-    """An update() copied from torch's into a subclass (NeMo's scaler does, for hysteresis):
-    it moves the scale itself and ends the iteration by assigning _per_optimizer_states."""
+    """An update() copied from torch's into a subclass, with hysteresis of its own (NeMo's
+    scaler does so): it moves the scale itself and ends the iteration by assigning
+    _per_optimizer_states afresh."""
+
+    hysteresis = 2
 
     def update(self, new_scale: Any = None) -> None:
         scale, tracker = self._check_scale_growth_tracker("update")  # type: ignore[attr-defined]
         states = self._per_optimizer_states  # type: ignore[has-type]
         flags = [f for state in states.values() for f in state["found_inf_per_device"].values()]
-        torch._amp_update_scale_(scale, tracker, sum(flags), 2.0, 0.5, 2000)
+        found_inf = sum(flags)
+        left = getattr(self, "hysteresis_left", self.hysteresis)
+        if found_inf.item() > 0 and left > 1:  # held: the scale stays, the tracker restarts
+            self.hysteresis_left = left - 1
+            tracker.zero_()
+        else:
+            if found_inf.item() == 0:
+                self.hysteresis_left = self.hysteresis
+            torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def _overflowing(steps: int, at: tuple[int, ...]) -> Any:
+    """A training loop over ``steps`` batches whose gradients overflow at ``at``."""
+
+    def run(scaler: Any, fused: bool = False) -> tuple[list[torch.Tensor], list[float]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+        scales = []
+        for step in range(steps):
+            optimizer.zero_grad()
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            scaler.scale(loss * (float("inf") if step in at else 1.0)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return [p.detach().clone() for p in model.parameters()], scales
+
+    return run
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_update_of_ones_own_that_ends_the_iteration_as_torchs_does_trains_alike(
+    fused: bool,
+) -> None:
+    """The subclass's rule moves the scale, bit for bit as over torch's scaler; ampscaler
+    counts each iteration from the scale it ran at (growths and backoffs as they happened)
+    and its step records and guards hear of it."""
+    run = _overflowing(10, at=(3, 4, 7))
+    theirs, ours = _twins({"hysteresis": 2, "update": TorchStyleUpdate.update})
+    history = ours.attach(ampscaler.StepHistory(100))
+    guard = ours.attach(ampscaler.SpikeGuard(warmup=100))
+    torch_params, torch_scales = run(theirs, fused)
+    params, scales = run(ours, fused)
+    assert scales == torch_scales
+    assert all(torch.equal(a, b) for a, b in zip(params, torch_params, strict=True))
+    metrics = ours.metrics("")
+    assert (metrics["steps"], metrics["skips"]) == (10, 3)
+    moves = list(zip([2.0**8, *scales[:-1]], scales, strict=True))
+    grew, backed_off = sum(new > old for old, new in moves), sum(new < old for old, new in moves)
+    assert grew and backed_off  # the hysteresis held the first of two overflows in a row
+    assert (metrics["growths"], metrics["backoffs"]) == (grew, backed_off)
+    records = history.records
+    assert [r.new_scale for r in records] == scales
+    assert [r.scale for r in records] == [2.0**8, *scales[:-1]]  # the scale each ran at
+    assert [r.skipped for r in records] == [step in (3, 4, 7) for step in range(10)]
+    assert guard.state_dict()  # the guard heard of every iteration (its window is kept)
+
+
+def test_a_batch_dropped_mid_iteration_by_a_fresh_per_optimizer_state_runs_again_alike() -> None:
+    """A trainer that runs a batch again after running out of memory (Composer's automatic
+    micro-batching) zeroes the gradients and assigns _per_optimizer_states afresh: the
+    iteration is dropped, as over torch's scaler, and not counted."""
+
+    def run(scaler: Any) -> tuple[list[torch.Tensor], float]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(5):
+            inputs = torch.randn(4, 3)
+            if step == 2:  # the first try at this batch is given up after its backward
+                scaler.scale(model(inputs).sum()).backward()
+                optimizer.zero_grad(set_to_none=True)
+                scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            optimizer.zero_grad()
+            scaler.scale(model(inputs).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+    torch_params, torch_scale = run(torch.amp.GradScaler("cpu", growth_interval=2))
+    ours = ampscaler.GradScaler("cpu", growth_interval=2)
+    params, scale = run(ours)
+    assert scale == torch_scale == 2.0**16 * 4
+    assert all(torch.equal(a, b) for a, b in zip(params, torch_params, strict=True))
+    assert ours.metrics("")["steps"] == 5
+
+
+def test_a_subclass_that_starts_its_per_optimizer_state_in_init_trains() -> None:
+    """torch's sharded scaler, and copies of it, assign _per_optimizer_states in __init__."""
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        super(type(self), self).__init__(*args, **kwargs)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    theirs, ours = _twins({"__init__": init})
+    _assert_same_training(_train(theirs), _train(ours))
+
+
+def test_assigning_per_optimizer_entries_is_refused_and_changes_nothing() -> None:
+    scaler = ampscaler.GradScaler("cpu")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(optimizer)
+    entries = {id(optimizer): _refresh_per_optimizer_state()}
+    for value in (entries, None):
+        with pytest.raises(AttributeError, match=r"fresh, empty mapping.*super\(\)\.unscale_"):
+            scaler._per_optimizer_states = value
+    assert scaler._per_optimizer_states[id(optimizer)]["stage"].name == "STEPPED"
+    scaler.update()  # the iteration goes on and ends as usual
+    assert scaler.metrics("")["steps"] == 1
 
 
 def _refused_where_torchs_runs(mixin: type, error: type[Exception], says: str) -> None:
@@ -361,11 +475,6 @@ def _refused_where_torchs_runs(mixin: type, error: type[Exception], says: str) -
     ours = type("Ours", (mixin, ampscaler.GradScaler), {})("cpu")
     with pytest.raises(error, match=says):
         _train(ours, steps=1, inf_at=-1)
-
-
-def test_an_update_that_ends_the_iteration_as_torchs_does_is_refused_with_what_to_do() -> None:
-    says = r"must call super\(\)\.update\(\).*ScalePolicy"
-    _refused_where_torchs_runs(TorchStyleUpdate, AttributeError, says)
 
 
 class CopiedShardedUnscale:

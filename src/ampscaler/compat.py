@@ -170,6 +170,8 @@ class TorchPrivateNames:
     _iteration: Iteration
     _init_scale: float
     _init_growth_tracker: int
+    #: Ends the iteration in progress with the state as code outside the scaler left it.
+    _end_moved_outside: Callable[[], None]
 
     # ------------------------------------------------------------------ the state
 
@@ -228,13 +230,18 @@ class TorchPrivateNames:
 
     @_per_optimizer_states.setter
     def _per_optimizer_states(self, value: object) -> None:
-        raise AttributeError(
-            "_per_optimizer_states cannot be assigned on ampscaler's GradScaler: torch's "
-            "update() assigns it to end an iteration, and ampscaler's update() ends its own. A "
-            "subclass that overrides update() must call super().update(); for a rule of its "
-            "own (hysteresis, bounds), pass policy=ampscaler.ScalePolicy(hysteresis=...) or a "
-            "subclass of ampscaler.Policy instead of rewriting update()."
-        )
+        # torch's idiom for ending an iteration (its update() does it last) or dropping one:
+        # a fresh, empty mapping. Anything else would write entries read from the iteration.
+        if not isinstance(value, Mapping) or value:
+            raise AttributeError(
+                "_per_optimizer_states takes only a fresh, empty mapping on ampscaler's "
+                "GradScaler (defaultdict(_refresh_per_optimizer_state), as torch's update() "
+                "assigns it): it ends or drops the iteration in progress. Its entries are read "
+                "from ampscaler's iteration: to change an optimizer's flags, override "
+                "unscale_(), call super().unscale_(optimizer), then change the flags of "
+                "_per_optimizer_states[id(optimizer)] in place."
+            )
+        self._end_moved_outside()
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         found: dict[torch.device, Any] = self._per_optimizer_states[id(optimizer)][
@@ -276,6 +283,11 @@ class TorchPrivateNames:
                 yet.
         """
         live = self._state.require(funcname)
+        iteration = self._iteration
+        if iteration.start_scale is None and iteration.stepped:
+            # A subclass's own update() starts so, as torch's does, before it moves the scale:
+            # the copy is what the iteration is counted from (see _end_moved_outside).
+            iteration.start_scale = live.scale.double()
         return live.scale, live.growth_tracker
 
     def _maybe_opt_step(

@@ -783,10 +783,17 @@ class GradScaler(TorchPrivateNames):
             live = self._state.advance(iteration, overflowed, compiling)
             if not compiling:
                 self._agreement.moved()  # every rank moved alike: no new fingerprint
-        # The iteration ends. It is kept for its report until the next one ends, and must not
-        # hold the autograd graph behind its losses: a clean one (known on the host to have
-        # overflowed nowhere: no skip's cause will be asked) drops them, any other keeps them
-        # detached (a compiled scale() kept them detached: nothing to branch on).
+        self._end(iteration, live, overflowed, compiling)
+
+    def _end(
+        self, iteration: Iteration, live: LiveState, overflowed: bool | None, compiling: bool
+    ) -> None:
+        """End ``iteration``, whose update has moved the state: it is kept for its report until
+        the next one ends, and the hooks hear of it."""
+        # It must not hold the autograd graph behind its losses: a clean one (known on the host
+        # to have overflowed nowhere: no skip's cause will be asked) drops them, any other
+        # keeps them detached (a compiled scale() kept them detached: nothing to branch on).
+        hooks = self._hooks
         if not compiling:
             if overflowed is False:
                 iteration.losses.clear()
@@ -804,6 +811,29 @@ class GradScaler(TorchPrivateNames):
                 hooks.run_periodic(iteration, live)
         if self._max_consecutive_skips is not None:
             self._check_persistent_overflow(live, self._max_consecutive_skips)
+
+    def _end_moved_outside(self) -> None:
+        """End the iteration in progress as torch's scaler ends it when its
+        ``_per_optimizer_states`` are assigned afresh (:mod:`ampscaler.compat`), with the state
+        as the code that assigned them left it: torch's ``update()`` assigns them at its end,
+        after it moved the scale, and so does a subclass's copy of it (NeMo's, for hysteresis).
+        An iteration that stepped an optimizer ends as :meth:`update` ends it, counted from
+        the scale it ran at, the scale held at the floor; one that stepped none is dropped,
+        not counted (a trainer that runs a batch again after running out of memory drops it
+        so; a subclass's ``__init__`` that assigns them finds none). No host sync."""
+        iteration = self._iteration
+        _, found_inf, overflowed, spiked = self._agreement.flags(iteration)
+        if found_inf is None or not iteration.stepped:
+            self._iteration = Iteration()
+            return
+        iteration.found_inf, iteration.spiked = found_inf, spiked
+        live = self._state.require("update")
+        iteration.by_policy = False
+        for hook in self._hooks.before_update:
+            hook.before_update(iteration, live)
+        self._state.moved_outside(iteration)
+        self._agreement.moved()
+        self._end(iteration, live, overflowed, compiling=False)
 
     def _set_scale(
         self, new_scale: float | torch.Tensor | None, iteration: Iteration

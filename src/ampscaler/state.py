@@ -580,6 +580,24 @@ class ScalerState:
             watch.updated(live.scale)
         return live
 
+    def moved_outside(self, iteration: Iteration) -> None:
+        """``iteration`` ended with ``iteration.found_inf``, the state moved by code outside the
+        policy (a subclass's own ``update()``): hold the scale at the floor and count the
+        iteration from the scale it ran at (``iteration.start_scale``; where none was kept,
+        the scale now, and its move then counts as none). The power-of-two watch learns the
+        scale anew. No host sync."""
+        live = self._settled_live()
+        found_inf = iteration.found_inf
+        assert found_inf is not None, "an iteration without a check is dropped, not counted"
+        old = iteration.start_scale
+        if old is None:
+            old = live.scale.clone()
+        iteration.scale = old
+        torch.clamp_min_(live.scale, live.floor)
+        live.counters.record(found_inf, old, iteration.vetoes)
+        if self._watch is not None:
+            self._watch.forget(live.scale)
+
     def _update_unless(
         self,
         hold: torch.Tensor,
