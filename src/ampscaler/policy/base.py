@@ -74,6 +74,7 @@ __all__ = [
     "PowerOfTwo",
     "TorchRule",
     "adjusted",
+    "check_bounds",
     "check_number",
     "check_scale",
     "check_switch",
@@ -191,6 +192,15 @@ def pow2_exponent(value: float | None) -> int | None:
         return None
     mantissa, exponent = math.frexp(value)
     return exponent - 1 if mantissa == 0.5 else None
+
+
+def check_bounds(policy: Any, low: float | None, high: float | None) -> None:
+    """Refuse a ``policy`` whose ``min_scale`` exceeds its ``max_scale`` (``low`` and ``high``:
+    them validated, as numbers or as exponents; ``None`` where not given)."""
+    if low is not None and high is not None and low > high:
+        raise InvalidConfigError(
+            f"min_scale ({policy.min_scale}) must not exceed max_scale ({policy.max_scale})."
+        )
 
 
 def check_scale(

@@ -31,6 +31,7 @@ from .base import (
     PolicyState,
     PowerOfTwo,
     adjusted,
+    check_bounds,
     check_number,
     check_scale,
     pow2_exponent,
@@ -270,10 +271,7 @@ class HeadroomPolicy(Policy):
             low = _pow2("min_scale", self.min_scale, " or None")
         if self.max_scale is not None:
             high = _pow2("max_scale", self.max_scale, " or None")
-        if low > high:
-            raise InvalidConfigError(
-                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})."
-            )
+        check_bounds(self, low, high)
         object.__setattr__(self, "exponents", (low, high))
         self.check_scale("first_scale", self.first_scale)
 

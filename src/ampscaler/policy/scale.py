@@ -47,13 +47,13 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..errors import InvalidConfigError
 from .base import (
     LOWEST_SCALE,
     Policy,
     PolicyState,
     PowerOfTwo,
     adjusted,
+    check_bounds,
     check_number,
     check_scale,
     check_switch,
@@ -146,10 +146,7 @@ class ScalePolicy(Policy):
         interval = require_int("growth_interval", self.growth_interval, 1, INT32_MAX)
         hysteresis = require_int("hysteresis", self.hysteresis, 1, INT32_MAX)
         bounds = [self._bound(name) for name in ("min_scale", "max_scale")]
-        if bounds[0] is not None and bounds[1] is not None and bounds[0] > bounds[1]:
-            raise InvalidConfigError(
-                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})."
-            )
+        check_bounds(self, *bounds)
         backoff_on_loss = check_switch("backoff_on_nonfinite_loss", self.backoff_on_nonfinite_loss)
         values = (growth, backoff, interval, hysteresis, *bounds, backoff_on_loss)
         for field, value in zip(dataclasses.fields(self), values, strict=True):
