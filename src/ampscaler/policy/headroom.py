@@ -332,8 +332,10 @@ class HeadroomPolicy(Policy):
         fresh = {"target": scale, "history": [0.0] * self.history_length, "overflowed_at": 0.0}
         given = {**fresh, **(values or {}), "scale": scale}
         return HeadroomState(
-            *(
-                torch.tensor(given.get(name, 0), dtype=dtype, device=device)
+            *(  # a number is filled in on the device: no copy from the host, which would wait
+                torch.full((), given.get(name, 0), dtype=dtype, device=device)
+                if name != "history"
+                else torch.tensor(given[name], dtype=dtype, device=device)
                 for name, dtype in zip(HeadroomState._fields, _DTYPES, strict=True)
             )
         )
