@@ -637,9 +637,9 @@ class _Compared:
     def __init__(self, settings: Mapping[str, SettingValue], loads: int) -> None:
         numbers = _plain_row({k: v for k, v in settings.items() if not isinstance(v, torch.Tensor)})
         self._code = zlib.crc32(repr((sorted(numbers.items()), loads)).encode()) % _PRIME
-        self._tensors = [v for _, v in sorted(settings.items()) if isinstance(v, torch.Tensor)]
-        # Integer views of the live tensors (the same memory: they see every update).
-        self._words = [_bits(tensor) for tensor in self._tensors]
+        # Integer views of the live state tensors: the same memory and the same version
+        # counters, so they see every update, and say when something wrote it.
+        self._words = [_bits(v) for _, v in sorted(settings.items()) if isinstance(v, torch.Tensor)]
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         # The state tensors' version counters for which the last fingerprint (and its
         # negation) stands: as hashed, or as the scaler's own transition left them since.
@@ -661,7 +661,7 @@ class _Compared:
         return made
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(tensor._version for tensor in self._tensors)
+        return tuple(view._version for view in self._words)
 
     def note_transition(self) -> None:
         """The scaler's own transition has just written the state: the last fingerprint stands
