@@ -290,7 +290,8 @@ class RankAgreement:
     """
 
     def __init__(self, groups: GroupSpec, refuse_unchecked: bool = True) -> None:
-        self._groups = _distinct_groups(groups)
+        #: The groups the flags are reduced over, in order (repeats and contained ones left out).
+        self.groups = _distinct_groups(groups)
         self._refuse_unchecked = refuse_unchecked
         self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
         # Copies, on their way to the host, of verdicts settled since the last check that no
@@ -300,18 +301,12 @@ class RankAgreement:
         # and after each load (the tensors are the live ones, read at every verdict).
         self._compared: _Compared | None = None
 
-    @property
-    def groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """The groups the flags are reduced over, in order (repeats and contained ones left
-        out)."""
-        return self._groups
-
     def _gather(self, value: Any) -> dict[int, Any]:
         """Every rank's ``value`` that the groups reach, by global rank: gathered over one
         group after the other, each time with everything known so far, so that for groups
         forming a grid every rank ends up knowing every rank of the grid."""
         known = {dist.get_rank(): value}
-        for group in self._groups:
+        for group in self.groups:
             parts: list[dict[int, Any] | None] = [None] * dist.get_world_size(group)
             dist.all_gather_object(parts, known, group=group)
             for part in parts:
@@ -517,7 +512,7 @@ class RankAgreement:
         (for groups forming a grid: over the whole grid); the last reduction's work, to wait
         for (the reductions before the last are waited for in order: with NCCL a stream
         dependency). No host sync with NCCL."""
-        *first, last = self._groups
+        *first, last = self.groups
         for group in first:
             dist.all_reduce(tensor, op=op, group=group)
         work: dist.Work | None = dist.all_reduce(tensor, op=op, group=last, async_op=True)
@@ -528,7 +523,7 @@ class RankAgreement:
         """Sum ``values`` in place over the groups (:meth:`_reduce`, waited for); returns how
         many ranks were summed, for averages."""
         self._reduce(values, dist.ReduceOp.SUM).wait()
-        return math.prod(dist.get_world_size(group) for group in self._groups)
+        return math.prod(dist.get_world_size(group) for group in self.groups)
 
     def _settle(self, iteration: Iteration, read: torch.Tensor | None = None) -> None:
         """Wait for every reduction launched in ``iteration``. Each verdict but ``read`` (which
