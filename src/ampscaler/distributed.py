@@ -417,7 +417,6 @@ class RankAgreement:
 
     def read_early(self, record: OptimizerRecord) -> None:
         """Nothing is read at ``unscale_()``: the flag is agreed, and read, in ``step()``."""
-        return None
 
     def decide(
         self,
