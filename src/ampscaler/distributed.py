@@ -54,9 +54,8 @@ Example (one process; real runs use ``torchrun`` and ``init_process_group``)::
     >>> from ampscaler.distributed import RankAgreement
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     >>> agreement = RankAgreement(dist.group.WORLD)
-    >>> agreed = agreement.max_over_ranks(torch.tensor(1.0))   # one all_reduce, waited for
-    >>> agreed.item(), agreement.origins((torch.tensor(1.0), None)).gradient_ranks
-    (1.0, (0,))
+    >>> agreement.max_over_ranks(torch.tensor(1.0))   # one all_reduce, waited for
+    tensor(1.)
     >>> dist.destroy_process_group()
 """
 
@@ -65,7 +64,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -81,7 +80,6 @@ __all__ = [
     "NO_GROUP",
     "Agreement",
     "GroupSpec",
-    "Origins",
     "RankAgreement",
     "SettingValue",
     "agreement_for",
@@ -106,21 +104,6 @@ _PRIME = 16777213
 #: The last three are adjacent: after the max, their sum is the inf flag plus how far the
 #: largest fingerprint is above the smallest (one sum folds a mismatch into the flag).
 _LOSS, _HELD, _FLAG, _PRINT, _NEG_PRINT = range(5)
-
-
-class Origins(NamedTuple):
-    """Where a skipped step's trouble came from, the same on every rank.
-
-    Attributes:
-        gradient_ranks: the global ranks whose own gradients held inf/NaN.
-        loss_ranks: the global ranks whose loss was already inf/NaN before scaling.
-        micro_batch: on the first of ``loss_ranks``, which ``scale()`` call of the iteration
-            had that loss (``None``: unknown, or no loss rank).
-    """
-
-    gradient_ranks: tuple[int, ...] = ()
-    loss_ranks: tuple[int, ...] = ()
-    micro_batch: int | None = None
 
 
 Agreement: TypeAlias = "OneRank | RankAgreement"
@@ -307,7 +290,8 @@ class RankAgreement:
     """
 
     def __init__(self, groups: GroupSpec, refuse_unchecked: bool = True) -> None:
-        self._groups = _distinct_groups(groups)
+        #: The groups the flags are reduced over, in order (repeats and contained ones left out).
+        self.groups = _distinct_groups(groups)
         self._refuse_unchecked = refuse_unchecked
         self._loads = 0  # load_state_dict() calls on this rank (part of the fingerprint)
         # Copies, on their way to the host, of verdicts settled since the last check that no
@@ -317,18 +301,12 @@ class RankAgreement:
         # and after each load (the tensors are the live ones, read at every verdict).
         self._compared: _Compared | None = None
 
-    @property
-    def groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """The groups the flags are reduced over, in order (repeats and contained ones left
-        out)."""
-        return self._groups
-
     def _gather(self, value: Any) -> dict[int, Any]:
         """Every rank's ``value`` that the groups reach, by global rank: gathered over one
         group after the other, each time with everything known so far, so that for groups
         forming a grid every rank ends up knowing every rank of the grid."""
         known = {dist.get_rank(): value}
-        for group in self._groups:
+        for group in self.groups:
             parts: list[dict[int, Any] | None] = [None] * dist.get_world_size(group)
             dist.all_gather_object(parts, known, group=group)
             for part in parts:
@@ -425,10 +403,9 @@ class RankAgreement:
         if self._compared is None:  # the first time, and after a load
             self._compared = _Compared(settings(), self._loads)
         no, yes, _, _ = self._compared.made(device)
-        flag = no if found_inf is None else found_inf.to(torch.float32)
+        flag, held = (no, no) if found_inf is None else (found_inf.to(torch.float32), yes)
         local_loss = iteration.local_loss_flag
         loss = no if local_loss is None else local_loss.to(device, torch.float32)
-        held = no if found_inf is None else yes
         fingerprint, negated = self._compared.fingerprint(device)
         if loss.dim():
             loss = loss.reshape(())
@@ -440,7 +417,6 @@ class RankAgreement:
 
     def read_early(self, record: OptimizerRecord) -> None:
         """Nothing is read at ``unscale_()``: the flag is agreed, and read, in ``step()``."""
-        return None
 
     def decide(
         self,
@@ -450,9 +426,8 @@ class RankAgreement:
     ) -> bool:
         """Wait for the groups' verdict on a non-fused optimizer and read it (one host sync):
         whether every rank skips (for the agreed inf/NaN flag, or a guard's ``record.spike``),
-        and then where the trouble came from (``record.origin``, from :meth:`origins` of this
-        rank's flags and micro-batch, a collective every rank makes, as all of them skip
-        together).
+        and then where the trouble came from (``record.origin``, from :meth:`_origin`, a
+        collective every rank makes, as all of them skip together).
         ``settings()`` is what the ranks compare where the fingerprints differed (as for
         :meth:`agree`).
 
@@ -479,13 +454,7 @@ class RankAgreement:
             raise ScalerUsageError(NO_GRADIENTS)
         if not skipped:
             return False
-        local_flags = (record.local_found_inf, iteration.local_loss_flag)
-        origins = self.origins(local_flags, iteration.first_nonfinite_loss())
-        if verdict[_LOSS] > 0:  # the agreed loss flag
-            record.origin = SkipOrigin("loss", origins.loss_ranks, origins.micro_batch)
-        else:
-            cause = "gradients" if iteration.losses else None
-            record.origin = SkipOrigin(cause, origins.gradient_ranks)
+        record.origin = self._origin(record, iteration, loss=verdict[_LOSS] > 0)
         return True
 
     def before_kernel(self, record: OptimizerRecord, iteration: Iteration) -> None:
@@ -542,7 +511,7 @@ class RankAgreement:
         (for groups forming a grid: over the whole grid); the last reduction's work, to wait
         for (the reductions before the last are waited for in order: with NCCL a stream
         dependency). No host sync with NCCL."""
-        *first, last = self._groups
+        *first, last = self.groups
         for group in first:
             dist.all_reduce(tensor, op=op, group=group)
         work: dist.Work | None = dist.all_reduce(tensor, op=op, group=last, async_op=True)
@@ -553,7 +522,7 @@ class RankAgreement:
         """Sum ``values`` in place over the groups (:meth:`_reduce`, waited for); returns how
         many ranks were summed, for averages."""
         self._reduce(values, dist.ReduceOp.SUM).wait()
-        return math.prod(dist.get_world_size(group) for group in self._groups)
+        return math.prod(dist.get_world_size(group) for group in self.groups)
 
     def _settle(self, iteration: Iteration, read: torch.Tensor | None = None) -> None:
         """Wait for every reduction launched in ``iteration``. Each verdict but ``read`` (which
@@ -573,36 +542,26 @@ class RankAgreement:
                 torch.clamp(verdict[_FLAG:].sum(), max=1.0, out=agreed)
                 self._landing.append(HostCopy(verdict, 0))
 
-    def origins(
-        self,
-        local_flags: tuple[torch.Tensor | None, torch.Tensor | None],
-        micro_batch: int | None = None,
-    ) -> Origins:
-        """The ranks whose own flags (``(found_inf, loss_nonfinite)``, ``None`` for a clean
-        one) were set, and the micro-batch of the first non-finite loss: gathered from every
-        rank (a host sync, and one gather per group).
+    def _origin(self, record: OptimizerRecord, iteration: Iteration, loss: bool) -> SkipOrigin:
+        """Where a skipped step's trouble came from, the same on every rank: gathered from
+        every rank's own flags (a host sync, and one gather per group). Where the agreed loss
+        flag is set (``loss``), the ranks whose loss was already inf/NaN before scaling and, on
+        the first of them, which ``scale()`` call had that loss; else the ranks whose own
+        gradients held inf/NaN (cause ``gradients``, or ``None`` where no loss was kept).
 
         Every rank of the groups must call this at the same point: the scaler does it on
         skipped steps only, which all ranks skip together.
-
-        Example:
-            >>> import torch, torch.distributed as dist
-            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            >>> RankAgreement(dist.group.WORLD).origins((None, torch.tensor(1.0)), 2)
-            Origins(gradient_ranks=(), loss_ranks=(0,), micro_batch=2)
-            >>> dist.destroy_process_group()
         """
+        micro_batch = iteration.first_nonfinite_loss()
+        local_flags = (record.local_found_inf, iteration.local_loss_flag)
         present = [flag.detach().float().reshape(()) for flag in local_flags if flag is not None]
         values = iter(read_values(present))
-        found, loss = (0.0 if flag is None else next(values) for flag in local_flags)
-        table = self._gather((found, loss, micro_batch))
-        ranks = sorted(table)
-        loss_ranks = tuple(rank for rank in ranks if table[rank][1] > 0)
-        return Origins(
-            gradient_ranks=tuple(rank for rank in ranks if table[rank][0] > 0),
-            loss_ranks=loss_ranks,
-            micro_batch=table[loss_ranks[0]][2] if loss_ranks else None,
-        )
+        found, lost = (0.0 if flag is None else next(values) for flag in local_flags)
+        table = self._gather((found, lost, micro_batch))
+        ranks = tuple(rank for rank in sorted(table) if table[rank][1 if loss else 0] > 0)
+        if loss:
+            return SkipOrigin("loss", ranks, table[ranks[0]][2] if ranks else None)
+        return SkipOrigin("gradients" if iteration.losses else None, ranks)
 
     def _landed_differ(self) -> bool:
         """Whether a verdict on its way since the last check had differing fingerprints
@@ -672,9 +631,9 @@ class _Compared:
     def __init__(self, settings: Mapping[str, SettingValue], loads: int) -> None:
         numbers = _plain_row({k: v for k, v in settings.items() if not isinstance(v, torch.Tensor)})
         self._code = zlib.crc32(repr((sorted(numbers.items()), loads)).encode()) % _PRIME
-        self._tensors = [v for _, v in sorted(settings.items()) if isinstance(v, torch.Tensor)]
-        # Integer views of the live tensors (the same memory: they see every update).
-        self._words = [_bits(tensor) for tensor in self._tensors]
+        # Integer views of the live state tensors: the same memory and the same version
+        # counters, so they see every update, and say when something wrote it.
+        self._words = [_bits(v) for _, v in sorted(settings.items()) if isinstance(v, torch.Tensor)]
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         # The state tensors' version counters for which the last fingerprint (and its
         # negation) stands: as hashed, or as the scaler's own transition left them since.
@@ -696,7 +655,7 @@ class _Compared:
         return made
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(tensor._version for tensor in self._tensors)
+        return tuple(view._version for view in self._words)
 
     def note_transition(self) -> None:
         """The scaler's own transition has just written the state: the last fingerprint stands
@@ -738,14 +697,12 @@ def _plain_row(settings: Mapping[str, SettingValue]) -> dict[str, float | str | 
     among them are read in one host sync."""
     tensors = {name: v for name, v in settings.items() if isinstance(v, torch.Tensor)}
     flat = [tensor.reshape(-1) if tensor.dim() > 1 else tensor for tensor in tensors.values()]
-    read = dict(zip(tensors, read_values(flat), strict=True)) if tensors else {}
+    read = dict(zip(tensors, read_values(flat), strict=True))
     row: dict[str, float | str | None] = {}
-    for name, value in settings.items():
-        if name in read:
-            number = read[name]
-            row[name] = float(sum(number) if isinstance(number, list) else number)
-        elif value is None or isinstance(value, str):
+    for name, setting in settings.items():
+        value = read.get(name, setting)  # a tensor's values: a number, or a list of them
+        if value is None or isinstance(value, str):
             row[name] = value
         else:
-            row[name] = float(value)
+            row[name] = float(sum(value) if isinstance(value, list) else value)
     return row

@@ -343,14 +343,14 @@ class GuardSet(Hook):
 
     Example:
         >>> guards = GuardSet()
-        >>> guards.active, guards.adopt(SpikeGuard()), guards.active, guards.adopt("a sink?")
-        (False, True, True, False)
+        >>> guards.moments(), guards.adopt(SpikeGuard()), guards.adopt("a sink?")
+        ([], True, False)
+        >>> guards.moments()
+        ['after_check', 'after_update']
     """
 
     def __init__(self) -> None:
         self._guards: list[Guard] = []
-        #: Whether any guard was added (a plain attribute: read on every step).
-        self.active = False
 
     def adopt(self, plugin: object) -> bool:
         """Add ``plugin`` if it is a guard (``check`` and ``end_iteration``); it decides from
@@ -364,7 +364,6 @@ class GuardSet(Hook):
         if any(existing is plugin for existing in self._guards):
             raise InvalidConfigError(f"{plugin!r} is added to this scaler already.")
         self._guards.append(plugin)
-        self.active = True
         self.changed()
         return True
 
@@ -373,7 +372,7 @@ class GuardSet(Hook):
         kept = [existing for existing in self._guards if existing is not plugin]
         if len(kept) == len(self._guards):
             return False
-        self._guards, self.active = kept, bool(kept)
+        self._guards = kept
         self.changed()
         return True
 
@@ -383,7 +382,7 @@ class GuardSet(Hook):
 
     def moments(self) -> list[str]:
         """Due at the check and the update while it holds a guard; never when empty."""
-        return ["after_check", "after_update"] if self.active else []
+        return ["after_check", "after_update"] if self._guards else []
 
     def after_check(self, check: Check) -> torch.Tensor:
         """Ask every guard about the step of the optimizer just checked; the flag (0-dim

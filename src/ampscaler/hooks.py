@@ -228,7 +228,7 @@ class Hook:
         """The moments this hook is due at: by default those its class overrides. A hook whose
         needs change with what it holds overrides this and calls :meth:`changed` after a
         change."""
-        return [moment for moment in MOMENTS if _overrides(self, moment)]
+        return [m for m in MOMENTS if getattr(type(self), m) is not getattr(Hook, m)]
 
     def changed(self) -> None:
         """Tell the scaler that :meth:`moments` changed (the hook list replaces this method
@@ -237,10 +237,6 @@ class Hook:
 
 #: ``periodic``'s answer for "not again".
 NEVER = 1 << 30
-
-
-def _overrides(hook: Hook, moment: str) -> bool:
-    return getattr(type(hook), moment, None) is not getattr(Hook, moment)
 
 
 @dataclass

@@ -141,10 +141,10 @@ class ShardedGradScaler(GradScaler):
         )
         #: The group given (torch's attribute); ``None``: the default group.
         self.process_group = process_group
-        self._bound = process_group is not None
 
     def _bind_default_group(self) -> None:
-        """Agree over the default group from now on (at the first ``scale()``)."""
+        """Agree over the default group from now on (at the first ``scale()`` of a scaler
+        given ``process_group=None``, which agrees over no group until then)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -155,7 +155,6 @@ class ShardedGradScaler(GradScaler):
                 "scaler.scale(loss); in a single process use ampscaler.GradScaler instead."
             )
         self._agree_over(dist.group.WORLD)  # type: ignore[arg-type]
-        self._bound = True
 
     @overload
     def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
@@ -191,7 +190,7 @@ class ShardedGradScaler(GradScaler):
         """
         if not self._enabled:
             return outputs
-        if not self._bound:
+        if self._agreement.ranks is None:  # process_group=None, not bound yet
             self._bind_default_group()
         scaled: torch.Tensor | Iterable[torch.Tensor] = self._scaled_keeping_dtype(outputs)
         return scaled

@@ -57,8 +57,8 @@ from __future__ import annotations
 import abc
 import math
 import struct
-from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -74,12 +74,15 @@ __all__ = [
     "PowerOfTwo",
     "TorchRule",
     "adjusted",
+    "check_bounds",
+    "check_number",
     "check_scale",
     "check_switch",
     "float32_value",
     "pow2_exponent",
     "require_int",
     "require_number",
+    "require_state",
 ]
 
 FP16_MAX = 65504.0
@@ -108,6 +111,15 @@ def require_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidConfigError(f"{name} must be a real number, got {value!r}.")
     return float(value)
+
+
+def check_number(name: str, value: object, fits: Callable[[float], bool], must: str) -> float:
+    """``value`` as a float if it is a real number (as :func:`require_number` takes it) that
+    ``fits``, else :class:`InvalidConfigError` saying that ``name`` must be ``must``."""
+    number = require_number(name, value)
+    if not fits(number):
+        raise InvalidConfigError(f"{name} must be {must}, got {value!r}.")
+    return number
 
 
 def require_int(
@@ -180,6 +192,15 @@ def pow2_exponent(value: float | None) -> int | None:
         return None
     mantissa, exponent = math.frexp(value)
     return exponent - 1 if mantissa == 0.5 else None
+
+
+def check_bounds(policy: Any, low: float | None, high: float | None) -> None:
+    """Refuse a ``policy`` whose ``min_scale`` exceeds its ``max_scale`` (``low`` and ``high``:
+    them validated, as numbers or as exponents; ``None`` where not given)."""
+    if low is not None and high is not None and low > high:
+        raise InvalidConfigError(
+            f"min_scale ({policy.min_scale}) must not exceed max_scale ({policy.max_scale})."
+        )
 
 
 def check_scale(
@@ -360,12 +381,26 @@ class Policy(abc.ABC):
         return None
 
 
+State = TypeVar("State", bound=PolicyState)
+
+
+def require_state(kind: type[State], state: PolicyState, user: str) -> State:
+    """``state`` if it is a ``kind``, else :class:`TypeError` saying that ``user`` (a policy, or
+    one of its methods) needs one."""
+    if not isinstance(state, kind):
+        raise TypeError(
+            f"{user} needs a {kind.__name__} (policy.initial_state(...) makes one), got "
+            f"{type(state).__name__}."
+        )
+    return state
+
+
 def adjusted(
     policy: Policy,
-    state: PolicyState,
+    state: State,
     found_inf: torch.Tensor,
     measured: torch.Tensor | None = None,
-) -> PolicyState:
+) -> State:
     """The state after one iteration, leaving ``state`` as it was: ``policy``'s
     :meth:`~Policy.update_` run on copies of its tensors (a compiled ``update()`` applies it
     masked)."""

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidConfigError, ScalerUsageError
+from . import BUILT_IN
 from .base import Policy, PowerOfTwo, TorchRule
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
 
 #: Where a field of torch's rule lives in a built-in policy under another name (by its name).
 _TORCH_ALIASES = {"HeadroomPolicy": {"growth_interval": "recovery_interval"}}
-#: The built-in policies, which state the rule's settings whatever their kind (by name).
-_BUILT_IN = ("ScalePolicy", "StaticPolicy", "HeadroomPolicy")
 
 
 def policy_name(policy: Policy) -> str:
@@ -89,12 +88,8 @@ def torch_rule(policy: Policy) -> TorchRule:
     """The rule torch's getters report and ``state_dict()`` saves under torch's keys."""
     aliases = _TORCH_ALIASES.get(policy_name(policy), {})
     fields = policy_fields(policy)
-    found = {
-        name: fields[aliases.get(name, name)]
-        for name in TorchRule._fields
-        if aliases.get(name, name) in fields
-    }
-    return TorchRule(**found)
+    named = {name: aliases.get(name, name) for name in TorchRule._fields}  # name -> its field
+    return TorchRule(**{name: fields[field] for name, field in named.items() if field in fields})
 
 
 def with_rule(policy: Policy, funcname: str, **changes: Any) -> Policy:
@@ -135,7 +130,7 @@ def rule_settings(policy: Policy) -> dict[str, Any] | None:
         (1, False)
     """
     name = policy_name(policy)
-    if name not in _BUILT_IN:
+    if name not in BUILT_IN:  # the built-in policies state them whatever their kind
         return None
     fields = policy_fields(policy)
     return {

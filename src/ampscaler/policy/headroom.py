@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -30,16 +30,21 @@ from .base import (
     Policy,
     PolicyState,
     PowerOfTwo,
+    adjusted,
+    check_bounds,
+    check_number,
     check_scale,
     pow2_exponent,
     require_int,
     require_number,
+    require_state,
 )
 
 __all__ = ["FLUSH_JUMP", "HEADROOM_EXPONENTS", "HeadroomPolicy", "HeadroomState"]
 
 _INFINITY = torch.tensor(math.inf, dtype=torch.float64)
 
+#: The exponents ``e`` of the scales ``2**e`` a HeadroomPolicy may hold: float32's normal
 #: range, where ``1/scale`` is exact.
 HEADROOM_EXPONENTS = (-126, 127)
 
@@ -87,25 +92,33 @@ class HeadroomState(NamedTuple):
 _COUNT_MAX = 2**62
 
 
-def _require_count(name: str, value: object) -> int:
-    return require_int(name, value, 1, _COUNT_MAX)
+#: What each margin is, for the message that refuses one.
+_MARGINS = {
+    "margin": "the factor kept between the largest scaled gradient and 65504; 1 keeps none",
+    "first_margin": "the margin while the history is young, its first history_length iterations",
+}
+
+#: The dtype of each field of a :class:`HeadroomState`, in order (scale, growth_tracker, target,
+#: history; measured, iteration, overflowed_at, flushed).
+_DTYPES = (
+    *(torch.float32, torch.int32, torch.float32, torch.float64),
+    *(torch.int64, torch.int64, torch.float32, torch.int64),
+)
 
 
-def _require_pow2(name: str, value: object, *, optional: bool = False) -> float | None:
-    """``value`` as a float if it is ``2**e`` with ``e`` in float32's normal range."""
-    if optional and value is None:
-        return None
+def _pow2(name: str, value: object, none: str = "") -> int:
+    """``e`` if ``value`` is ``2**e`` with ``e`` in float32's normal range (``none``: what the
+    message adds for a setting that may also be ``None``)."""
     number = require_number(name, value)
     exponent = pow2_exponent(number)
     low, high = HEADROOM_EXPONENTS
     if exponent is None or not low <= exponent <= high:
-        none = " or None" if optional else ""
         near = round(math.log2(number)) if number > 0 and math.isfinite(number) else 16
         raise InvalidConfigError(
             f"HeadroomPolicy keeps the scale a power of two (so unscaling is exact): {name} must "
             f"be 2**e with {low} <= e <= {high}{none}, got {value!r}; for example 2.0**{near}."
         )
-    return number
+    return exponent
 
 
 @dataclass(frozen=True)
@@ -238,60 +251,41 @@ class HeadroomPolicy(Policy):
     min_scale: float | None = None
     max_scale: float | None = None
 
+    #: The lowest and highest exponent ``e`` of the scales ``2**e`` this policy sets (set per
+    #: instance by ``__post_init__`` and read on every update).
+    exponents: ClassVar[tuple[int, int]]
+
     def __post_init__(self) -> None:
-        margin = require_number("margin", self.margin)
-        if not (margin >= 1.0 and math.isfinite(margin)):
-            raise InvalidConfigError(
-                f"margin must be a finite number >= 1 (the factor kept between the largest "
-                f"scaled gradient and 65504; 1 keeps none), got {self.margin!r}."
-            )
-        first_margin = require_number("first_margin", self.first_margin)
-        if not (first_margin >= 1.0 and math.isfinite(first_margin)):
-            raise InvalidConfigError(
-                f"first_margin must be a finite number >= 1 (the margin while the history is "
-                f"young, its first history_length iterations), got {self.first_margin!r}."
-            )
-        _require_count("history_length", self.history_length)
-        _require_count("sample_every", self.sample_every)
-        _require_count("recovery_interval", self.recovery_interval)
-        backoff = _require_pow2("backoff_factor", self.backoff_factor)
-        if backoff is None or not backoff < 1.0:
+        for name, meaning in _MARGINS.items():
+            must = f"a finite number >= 1 ({meaning})"
+            check_number(name, getattr(self, name), lambda m: 1 <= m < math.inf, must)
+        for name in ("history_length", "sample_every", "recovery_interval"):
+            require_int(name, getattr(self, name), 1, _COUNT_MAX)
+        if _pow2("backoff_factor", self.backoff_factor) >= 0:
             raise InvalidConfigError(
                 f"backoff_factor must be a power of two below 1 (0.5, 0.25, ...), got "
                 f"{self.backoff_factor!r}."
             )
-        low = _require_pow2("min_scale", self.min_scale, optional=True)
-        high = _require_pow2("max_scale", self.max_scale, optional=True)
-        if low is not None and high is not None and low > high:
-            raise InvalidConfigError(
-                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})."
-            )
-        low_bound, high_bound = HEADROOM_EXPONENTS
-        exponents = (
-            low_bound if low is None else pow2_exponent(low) or 0,
-            high_bound if high is None else pow2_exponent(high) or 0,
-        )
-        object.__setattr__(self, "_exponents", exponents)  # read on every update
+        low, high = HEADROOM_EXPONENTS
+        if self.min_scale is not None:
+            low = _pow2("min_scale", self.min_scale, " or None")
+        if self.max_scale is not None:
+            high = _pow2("max_scale", self.max_scale, " or None")
+        check_bounds(self, low, high)
+        object.__setattr__(self, "exponents", (low, high))
         self.check_scale("first_scale", self.first_scale)
-
-    @property
-    def exponents(self) -> tuple[int, int]:
-        """The lowest and highest exponent ``e`` of the scales ``2**e`` this policy sets."""
-        exponents: tuple[int, int] = self.__dict__["_exponents"]
-        return exponents
 
     def check_scale(self, name: str, scale: object) -> float:
         """Validate a scale value (``first_scale``, ``new_scale``, a loaded one): a power of
         two within the bounds. Returns it as a float, or raises :class:`InvalidConfigError`."""
-        value = _require_pow2(name, scale)
-        assert value is not None
+        exponent = _pow2(name, scale)
         low, high = self.exponents
-        if not 2.0**low <= value <= 2.0**high:
+        if not low <= exponent <= high:
             raise InvalidConfigError(
                 f"{name} must be within [min_scale, max_scale] = [2**{low}, 2**{high}], got "
                 f"{scale!r}."
             )
-        return value
+        return 2.0**exponent
 
     @property
     def young_window(self) -> int:
@@ -335,21 +329,15 @@ class HeadroomPolicy(Policy):
     ) -> HeadroomState:
         """Fresh state on ``device`` (nothing measured yet; the target is ``scale``), or the
         saved ``values`` (:meth:`own_values`)."""
-        values = values or {}
-        history = values.get("history", [0.0] * self.history_length)
+        fresh = {"target": scale, "history": [0.0] * self.history_length, "overflowed_at": 0.0}
+        given = {**fresh, **(values or {}), "scale": scale}
         return HeadroomState(
-            scale=torch.full((), scale, dtype=torch.float32, device=device),
-            growth_tracker=torch.full(
-                (), int(values.get("growth_tracker", 0)), dtype=torch.int32, device=device
-            ),
-            target=torch.full((), values.get("target", scale), dtype=torch.float32, device=device),
-            history=torch.tensor(history, dtype=torch.float64, device=device),
-            measured=torch.full((), values.get("measured", 0), dtype=torch.int64, device=device),
-            iteration=torch.full((), values.get("iteration", 0), dtype=torch.int64, device=device),
-            overflowed_at=torch.full(
-                (), values.get("overflowed_at", 0.0), dtype=torch.float32, device=device
-            ),
-            flushed=torch.full((), values.get("flushed", 0), dtype=torch.int64, device=device),
+            *(  # a number is filled in on the device: no copy from the host, which would wait
+                torch.full((), given.get(name, 0), dtype=dtype, device=device)
+                if name != "history"
+                else torch.tensor(given[name], dtype=dtype, device=device)
+                for name, dtype in zip(HeadroomState._fields, _DTYPES, strict=True)
+            )
         )
 
     def own_values(self, saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -370,20 +358,14 @@ class HeadroomPolicy(Policy):
             )
         values: dict[str, Any] = {"history": [float(value) for value in history]}
         values["target"] = self.check_scale("headroom['target']", saved.get("target"))
-        for name in ("measured", "iteration"):
+        # Checkpoints before 0.2 hold neither flushed nor overflowed_at: none flushed, no overflow.
+        for name, missing in (("measured", None), ("iteration", None), ("flushed", 0)):
             values[name] = require_int(
-                f"headroom[{name!r}]", saved.get(name), 0, _COUNT_MAX, integral_floats=True
+                f"headroom[{name!r}]", saved.get(name, missing), 0, _COUNT_MAX, integral_floats=True
             )
-        # Checkpoints before 0.2 hold neither: no overflow seen, nothing flushed.
-        values["flushed"] = require_int(
-            "headroom['flushed']", saved.get("flushed", 0), 0, _COUNT_MAX, integral_floats=True
-        )
-        overflowed_at = saved.get("overflowed_at", 0.0)
-        values["overflowed_at"] = (
-            0.0
-            if overflowed_at == 0
-            else self.check_scale("headroom['overflowed_at']", overflowed_at)
-        )
+        at = saved.get("overflowed_at", 0.0)
+        overflowed = 0.0 if at == 0 else self.check_scale("headroom['overflowed_at']", at)
+        values["overflowed_at"] = overflowed
         return values
 
     @property
@@ -396,7 +378,7 @@ class HeadroomPolicy(Policy):
     def set_scale_(self, state: PolicyState, value: float) -> None:
         """``update(new_scale)``: the scale, and what the measurements allow, until the next
         measurement or overflow."""
-        live = _headroom_state(state, "set_scale_")
+        live = require_state(HeadroomState, state, "HeadroomPolicy.set_scale_()")
         live.scale.fill_(value)
         live.target.fill_(value)
 
@@ -432,9 +414,8 @@ class HeadroomPolicy(Policy):
         Raises:
             TypeError: ``state`` is not a :class:`HeadroomState`.
         """
-        moved = HeadroomState(*(tensor.clone() for tensor in _headroom_state(state, "adjust")))
-        self.update_(moved, found_inf, measured)
-        return moved
+        own = require_state(HeadroomState, state, "HeadroomPolicy.adjust()")
+        return adjusted(self, own, found_inf, measured)
 
     def update_(
         self, state: PolicyState, found_inf: torch.Tensor, measured: torch.Tensor | None = None
@@ -448,7 +429,7 @@ class HeadroomPolicy(Policy):
         Raises:
             TypeError: ``state`` is not a :class:`HeadroomState`.
         """
-        live = _headroom_state(state, "update_")
+        live = require_state(HeadroomState, state, "HeadroomPolicy.update_()")
         flag = found_inf.to(device=live.scale.device, dtype=torch.float32)
         if measured is not None:
             flag = self._measure_(live, flag, measured.to(live.scale.device))
@@ -515,15 +496,6 @@ class HeadroomPolicy(Policy):
         live.scale.mul_(ratio)  # keep the distance below the target (an overflow backs off)
         live.target.copy_(target)
         return flag
-
-
-def _headroom_state(state: PolicyState, method: str) -> HeadroomState:
-    if not isinstance(state, HeadroomState):
-        raise TypeError(
-            f"HeadroomPolicy.{method}() needs a HeadroomState (policy.initial_state(...) makes "
-            f"one), got {type(state).__name__}."
-        )
-    return state
 
 
 def _finite_at_least_zero(value: object) -> bool:

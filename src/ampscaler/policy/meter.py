@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -106,11 +107,6 @@ class HeadroomMeter:
         self._peeked: tuple[int, torch.Tensor] | None = None
 
     @property
-    def policy(self) -> HeadroomPolicy:
-        """The policy whose schedule the meter follows."""
-        return self._policy
-
-    @property
     def iteration(self) -> int:
         """The policy's iteration count: the iteration in progress, counting from 0."""
         return self._iteration
@@ -119,12 +115,6 @@ class HeadroomMeter:
     def due(self) -> bool:
         """Whether the iteration in progress is measured."""
         return self._policy.measures(self._iteration)
-
-    def restart(self, policy: HeadroomPolicy, iteration: int) -> None:
-        """Follow ``policy`` from its iteration ``iteration`` on (a loaded checkpoint)."""
-        self._policy, self._iteration = policy, iteration
-        self._reset()
-        self._arm()
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> None:
         """Measure the activation gradients of ``model``'s leaf modules (held weakly)."""
@@ -144,7 +134,7 @@ class HeadroomMeter:
     def start(self) -> None:
         """The iteration's first scaled loss: what was tapped before it is dropped."""
         if not self._started and self.due:
-            self._seen, self._half_modules, self._peeked = {}, set(), None
+            self._reset()
             self._started = True
 
     def _tap(self, name: str, where: str, grad: torch.Tensor) -> None:
@@ -270,24 +260,16 @@ class HeadroomMeter:
         """The policy moved on by one iteration: arm the hooks for the next."""
         self._iteration += 1
         self._started = False  # take() emptied the rest
-        self._arm()
+        self._taps.arm(self.due, self._models)
 
     def skip(self) -> None:
         """The iteration ended without the policy: the next one is the same iteration of the
         schedule."""
         self._reset()
 
-    def _arm(self) -> None:
-        self._taps.arm(self.due, self._models)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Hooks and watched models belong to this process: a copy is watched anew.
-        return {"policy": self._policy, "iteration": self._iteration, "agreed": self._agreed}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["policy"], state["iteration"], agreed=state["agreed"]
-        )
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Hooks and watched models belong to this process: a copy is a fresh meter, watched anew.
+        return functools.partial(type(self), agreed=self._agreed), (self._policy, self._iteration)
 
     def __repr__(self) -> str:
         return f"HeadroomMeter({self._policy}, iteration={self._iteration})"

@@ -47,20 +47,20 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..errors import InvalidConfigError
 from .base import (
     LOWEST_SCALE,
-    BasicState,
     Policy,
     PolicyState,
     PowerOfTwo,
     adjusted,
+    check_bounds,
+    check_number,
     check_scale,
     check_switch,
     float32_value,
     pow2_exponent,
     require_int,
-    require_number,
+    require_state,
 )
 
 __all__ = ["INT32_MAX", "ScalePolicy", "ScaleState", "StaticPolicy"]
@@ -138,31 +138,22 @@ class ScalePolicy(Policy):
     _torch_kernel: ClassVar[bool]  # set per instance by __post_init__
 
     def __post_init__(self) -> None:
-        growth = require_number("growth_factor", self.growth_factor)
-        if not (growth > 1.0 and math.isfinite(growth)):
-            raise InvalidConfigError(
-                f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}."
-            )
-        backoff = require_number("backoff_factor", self.backoff_factor)
-        if not 0.0 < backoff < 1.0:
-            raise InvalidConfigError(
-                f"backoff_factor must be in the open interval (0, 1), got {self.backoff_factor!r}."
-            )
+        growth = check_number(
+            "growth_factor", self.growth_factor, lambda g: 1 < g < math.inf, "a finite number > 1.0"
+        )
+        within = "in the open interval (0, 1)"
+        backoff = check_number("backoff_factor", self.backoff_factor, lambda b: 0 < b < 1, within)
         interval = require_int("growth_interval", self.growth_interval, 1, INT32_MAX)
         hysteresis = require_int("hysteresis", self.hysteresis, 1, INT32_MAX)
         bounds = [self._bound(name) for name in ("min_scale", "max_scale")]
-        if bounds[0] is not None and bounds[1] is not None and bounds[0] > bounds[1]:
-            raise InvalidConfigError(
-                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})."
-            )
+        check_bounds(self, *bounds)
         backoff_on_loss = check_switch("backoff_on_nonfinite_loss", self.backoff_on_nonfinite_loss)
         values = (growth, backoff, interval, hysteresis, *bounds, backoff_on_loss)
         for field, value in zip(dataclasses.fields(self), values, strict=True):
             object.__setattr__(self, field.name, value)  # plain Python numbers from here on
         # Whether this is torch's own rule, which torch's fused kernel applies (asked at every
         # update: kept, not computed).
-        kernel = hysteresis == 1 and bounds[0] is None and bounds[1] is None
-        object.__setattr__(self, "_torch_kernel", kernel)
+        object.__setattr__(self, "_torch_kernel", hysteresis == 1 and bounds == [None, None])
 
     @property
     def holds_on_nonfinite_loss(self) -> bool:
@@ -173,12 +164,8 @@ class ScalePolicy(Policy):
         bound = getattr(self, name)
         if bound is None:
             return None
-        value = require_number(name, bound)
-        if not (float32_value(value) > 0.0 and math.isfinite(float32_value(value))):
-            raise InvalidConfigError(
-                f"{name} must be a number > 0 that is finite as a float32, or None, got {bound!r}."
-            )
-        return value
+        must = "a number > 0 that is finite as a float32, or None"
+        return check_number(name, bound, lambda value: 0.0 < float32_value(value) < math.inf, must)
 
     # ------------------------------------------------------------------ state and transition
 
@@ -186,9 +173,8 @@ class ScalePolicy(Policy):
         self, scale: float, device: torch.device, values: Mapping[str, Any] | None = None
     ) -> ScaleState:
         """Fresh state on ``device`` (a full hysteresis budget), or the saved ``values``."""
-        values = values or {}
-        basic = BasicState(*super().initial_state(scale, device, values))
-        budget = int(values.get("hysteresis_left", self.hysteresis))
+        basic = super().initial_state(scale, device, values)
+        budget = int((values or {}).get("hysteresis_left", self.hysteresis))
         budget_tensor = torch.full((), budget, dtype=torch.int32, device=device)
         return ScaleState(basic.scale, basic.growth_tracker, budget_tensor)
 
@@ -208,9 +194,9 @@ class ScalePolicy(Policy):
         ``found_inf``, torch's own fused kernel ``torch._amp_update_scale_``, with the same
         results as the branch-free rule.
         """
-        moved = adjusted(self, _scale_state(state), found_inf)
+        moved = adjusted(self, require_state(ScaleState, state, "ScalePolicy"), found_inf)
         moved.scale.clamp_(min=LOWEST_SCALE)
-        return _scale_state(moved)
+        return moved
 
     def _moved(self, live: ScaleState, found_inf: torch.Tensor) -> ScaleState:
         """The rule written with ``torch.where``, without the floor at ``2**-126`` (which
@@ -264,9 +250,10 @@ class ScalePolicy(Policy):
                 self.growth_interval,
             )
             return
-        for live, value in zip(state, self._moved(_scale_state(state), found_inf), strict=True):
-            if value is not live:
-                live.copy_(value)
+        live = require_state(ScaleState, state, "ScalePolicy")
+        for tensor, value in zip(live, self._moved(live, found_inf), strict=True):
+            if value is not tensor:
+                tensor.copy_(value)
 
     # ------------------------------------------------------------------ values
 
@@ -282,25 +269,13 @@ class ScalePolicy(Policy):
     @property
     def power_of_two(self) -> PowerOfTwo | None:
         """Powers of two stay powers of two when both factors and both bounds are ones."""
-        bounds = [b for b in (self.min_scale, self.max_scale) if b is not None]
+        bounds = (self.min_scale, self.max_scale)
+        exponents = [pow2_exponent(float32_value(b)) for b in bounds if b is not None]
         backoff = pow2_exponent(self.backoff_factor)
-        if (
-            backoff is None
-            or pow2_exponent(self.growth_factor) is None
-            or any(pow2_exponent(float32_value(b)) is None for b in bounds)
-        ):
+        if backoff is None or pow2_exponent(self.growth_factor) is None or None in exponents:
             return None
-        floor = None if self.min_scale is None else pow2_exponent(float32_value(self.min_scale))
+        floor = None if self.min_scale is None else exponents[0]  # min_scale's comes first
         return PowerOfTwo(drop=-backoff, floor=floor)
-
-
-def _scale_state(state: PolicyState) -> ScaleState:
-    if not isinstance(state, ScaleState):
-        raise TypeError(
-            f"ScalePolicy needs a ScaleState (policy.initial_state(...) makes one), got "
-            f"{type(state).__name__}."
-        )
-    return state
 
 
 @dataclass(frozen=True)
