@@ -23,9 +23,11 @@ values and effects torch gives them, from the scaler's own parts: its state
   unscaled). The flag is the optimizer's combined flag, on the scale's device. An entry is
   read-only: writing to it (an ``unscale_()`` copied from torch's sharded scaler writes
   ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError`` that says to call
-  ``super().unscale_()`` and change the flags in place instead. Assigning it (how
-  torch's ``update()`` ends an iteration, and so code that copies that ``update()`` into a
-  subclass) raises an ``AttributeError`` that says to call ``super().update()``.
+  ``super().unscale_()`` and change the flags in place instead. Assigning it a fresh, empty
+  mapping (how torch's ``update()`` ends an iteration, and so code that copies that
+  ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's sharded
+  scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state as that
+  code left it, and drops one that stepped nothing; another value raises ``AttributeError``.
 - ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
 - ``_check_inf_per_device(optimizer)``: checks without unscaling and records the flag, as
   torch's deprecated ``grad_scaler=`` step protocol uses it.
