@@ -214,3 +214,69 @@ def test_assigning_a_value_the_state_cannot_hold_is_refused_and_changes_nothing(
     with pytest.raises(ampscaler.InvalidConfigError, match=wrong):
         setattr(scaler, name, value)
     assert scaler.state_dict() == before
+
+
+def _started_run(scaler: Any) -> tuple[list[float], dict[str, Any], list[torch.Tensor]]:
+    """Code that chooses where its run starts by assigning torch's ``_init_scale`` and
+    ``_init_growth_tracker`` after construction, before the first ``scale()`` (torch reads
+    them only then); three iterations, the second overflowing."""
+    scaler._init_scale = 32.0
+    scaler._init_growth_tracker = 1
+    before = scaler.get_scale()
+    model, opt = _model_and_opt()
+    scales = [before]
+    for step in range(3):
+        opt.zero_grad()
+        _backward(scaler, model, poison=step == 1)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, scaler.state_dict(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_assigning_where_the_run_starts_before_it_starts_is_where_it_starts() -> None:
+    (torch_scales, torch_saved, torch_params), (scales, saved, params) = map(
+        _started_run, [factory("cpu", growth_interval=2) for factory in BOTH]
+    )
+    assert scales == torch_scales == [32.0, 64.0, 32.0, 32.0]  # grew at once: tracker 1 of 2
+    assert {key: saved[key] for key in torch_saved} == torch_saved
+    assert all(torch.equal(a, b) for a, b in zip(params, torch_params, strict=True))
+
+
+def test_assigning_where_the_run_starts_after_it_started_warns_and_sets_nothing() -> None:
+    for factory in BOTH:
+        scaler = factory("cpu")
+        model, opt = _model_and_opt()
+        _backward(scaler, model)
+        scaler.step(opt)
+        scaler.update()
+        if factory is ampscaler.GradScaler:
+            with pytest.warns(UserWarning, match=r"_init_scale was assigned after .* sets nothing"):
+                scaler._init_scale = 8.0
+        else:
+            scaler._init_scale = 8.0
+        assert scaler._init_scale == 8.0 and scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "wrong"),
+    [
+        ("_init_scale", 0.0, "_init_scale must be"),
+        ("_init_scale", "big", "_init_scale must be a real number"),
+        ("_init_growth_tracker", -1, "_init_growth_tracker must be >= 0"),
+    ],
+)
+def test_a_start_the_state_cannot_hold_is_refused_and_changes_nothing(
+    name: str, value: object, wrong: str
+) -> None:
+    scaler = ampscaler.GradScaler("cpu", init_scale=64.0)
+    with pytest.raises(ampscaler.InvalidConfigError, match=wrong):
+        setattr(scaler, name, value)
+    assert (scaler.get_scale(), scaler._init_scale, scaler._init_growth_tracker) == (64.0, 64.0, 0)
+
+
+def test_a_disabled_scaler_keeps_the_start_it_is_given_and_never_uses_it() -> None:
+    for factory in BOTH:
+        scaler = factory("cpu", enabled=False)
+        scaler._init_scale = 32.0
+        assert (scaler._init_scale, scaler.get_scale()) == (32.0, 1.0)

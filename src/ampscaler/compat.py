@@ -16,7 +16,9 @@ values and effects torch gives them, from the scaler's own parts: its state
   ``_get_growth_tracker()``: the growth tracker as an int (a host sync; torch's tests).
 - ``_init_scale``, ``_init_growth_tracker``: the scale and growth tracker given at construction,
   loaded from a checkpoint, or held when the scaler was pickled (torch's pickling and
-  state-dict tests).
+  state-dict tests). Assigned before the first ``scale()``, where the run starts (torch's
+  scaler reads them only then, so code assigns them to choose it); later, kept with a warning
+  that it sets nothing now.
 - ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState,
   "found_inf_per_device": {device: flag}}}`` for the iteration in progress, a new
   ``defaultdict`` on each read (torch's tests, code that checks whether an optimizer was
@@ -160,6 +162,47 @@ class _RuleNumber(Generic[_N]):
         scaler._state.change_rule(f"_{self._field}", **{self._field: value})
 
 
+class _StartValue:
+    """``_init_scale`` and ``_init_growth_tracker``: where the scale and the growth tracker
+    start (given at construction, loaded, or held when the scaler was pickled), kept in the
+    scaler's ``__dict__`` under the same name. torch's scaler reads them when the first
+    ``scale()`` makes its tensors, so code written for it assigns them before training to
+    choose where the run starts: assigned before the scale is first used, the value (validated)
+    is put into the state; afterwards it is only kept, as on torch's scaler, with a warning that
+    it sets nothing now."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, scaler: TorchPrivateNames | None, owner: type) -> Any:
+        # On the class (help(), inspect), the descriptor itself.
+        return self if scaler is None else scaler.__dict__[self._name]
+
+    def __set__(self, scaler: TorchPrivateNames, value: object) -> None:
+        state: ScalerState | None = scaler.__dict__.get("_state")
+        if state is None or not scaler._enabled:  # before __init__ made the state, or disabled:
+            scaler.__dict__[self._name] = value  # kept, as torch's keeps it, and never used
+            return
+        if state.used:
+            warn_at_caller(
+                f"scaler.{self._name} was assigned after the scale was first used: it sets "
+                "nothing now (torch's scaler reads it only when its first scale() makes the "
+                "scale). Assign scaler._scale or scaler._growth_tracker, or call "
+                "scaler.update(new_scale), to set them now.",
+                UserWarning,
+            )
+            scaler.__dict__[self._name] = value
+            return
+        if self._name == "_init_scale":
+            scale = float32_value(state.policy.check_scale(self._name, value))
+            state.put(scale=scale)
+            scaler.__dict__[self._name] = scale
+        else:
+            count = require_int(self._name, value, 0, INT32_MAX, integral_floats=True)
+            state.put(growth_tracker=count)
+            scaler.__dict__[self._name] = count
+
+
 class TorchPrivateNames:
     """torch's private names over the scaler's state and iteration (module docstring).
 
@@ -170,8 +213,6 @@ class TorchPrivateNames:
     _enabled: bool
     _state: ScalerState
     _iteration: Iteration
-    _init_scale: float
-    _init_growth_tracker: int
     #: Ends the iteration in progress with the state as code outside the scaler left it.
     _end_moved_outside: Callable[[], None]
 
@@ -212,6 +253,14 @@ class TorchPrivateNames:
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
         self._state.use(torch.device(dev))
+
+    _init_scale = _StartValue()
+    _init_growth_tracker = _StartValue()
+
+    def _keep_start(self, scale: float, growth_tracker: int) -> None:
+        """Keep where the state starts now (construction, a load) under torch's names; the
+        state itself is the caller's to set."""
+        self.__dict__.update(_init_scale=scale, _init_growth_tracker=growth_tracker)
 
     # ------------------------------------------------------------------ the rule
 

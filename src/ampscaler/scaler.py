@@ -390,8 +390,7 @@ class GradScaler(TorchPrivateNames):
             "min_scale": min_scale, "max_scale": max_scale,
         }  # fmt: skip
         chosen = policy_from_arguments(policy, rule)
-        self._init_scale = starting_scale(chosen, init_scale)
-        self._init_growth_tracker = 0
+        self._keep_start(starting_scale(chosen, init_scale), 0)
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
         self._gather: Callable[..., GradGroups] = collect  # one walk over the gradients
         self._planner: GradPlanner | None = None
@@ -1261,8 +1260,7 @@ class GradScaler(TorchPrivateNames):
         # Everything is valid: from here on nothing raises.
         self._state.load(loaded.state, loaded.policy)
         self._max_consecutive_skips = loaded.max_consecutive_skips
-        self._init_scale = loaded.state.scale
-        self._init_growth_tracker = loaded.state.growth_tracker
+        self._keep_start(loaded.state.scale, loaded.state.growth_tracker)
         self._add_meter(loaded.policy, loaded.state.own.get("iteration", 0))
         for restore in restores:
             if restore is not None:
