@@ -583,9 +583,10 @@ class ScalerState:
     def moved_outside(self, iteration: Iteration) -> None:
         """``iteration`` ended with ``iteration.found_inf``, the state moved by code outside the
         policy (a subclass's own ``update()``): hold the scale at the floor and count the
-        iteration from the scale it ran at (``iteration.start_scale``; where none was kept,
-        the scale now, and its move then counts as none). The power-of-two watch learns the
-        scale anew. No host sync."""
+        iteration from the scale it ran at (``iteration.start_scale``: the copy its unscale,
+        or the subclass's call of ``_check_scale_growth_tracker``, made; where none was made,
+        from the scale now, so that its move is counted with the iteration before it). The
+        power-of-two watch learns the scale anew. No host sync."""
         live = self._settled_live()
         found_inf = iteration.found_inf
         assert found_inf is not None, "an iteration without a check is dropped, not counted"
