@@ -497,3 +497,39 @@ def test_writing_the_per_optimizer_state_says_what_to_do_instead() -> None:
     scaler = ampscaler.GradScaler("cpu")
     with pytest.raises(TypeError, match="'stage'"):
         scaler._per_optimizer_states[12345]["stage"] = torch.amp.grad_scaler.OptState.UNSCALED
+
+
+class TorchStyleLoad:
+    """A load_state_dict() copied from torch's into a subclass (NeMo's scaler does, to load its
+    hysteresis beside): it assigns torch's names and fills the live tensors."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._init_scale = state_dict["scale"]
+        if self._scale is not None:  # type: ignore[has-type]
+            self._scale.fill_(state_dict["scale"])  # type: ignore[has-type]
+        self._growth_factor = state_dict["growth_factor"]
+        self._backoff_factor = state_dict["backoff_factor"]
+        self._growth_interval = state_dict["growth_interval"]
+        self._init_growth_tracker = state_dict["_growth_tracker"]
+        if self._growth_tracker is not None:  # type: ignore[has-type]
+            self._growth_tracker.fill_(state_dict["_growth_tracker"])  # type: ignore[has-type]
+
+
+@pytest.mark.parametrize("trained_first", [False, True])
+def test_a_load_state_dict_copied_from_torchs_loads_alike(trained_first: bool) -> None:
+    saved = {
+        "scale": 128.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 2,
+        "_growth_tracker": 1,
+    }
+    runs = []
+    for scaler in _twins({"load_state_dict": TorchStyleLoad.load_state_dict}):
+        if trained_first:
+            _train(scaler, steps=2, inf_at=-1)
+        scaler.load_state_dict(saved)
+        runs.append(_train(scaler, steps=4, inf_at=2))
+    (torch_params, torch_scales, _), (params, scales, _) = runs
+    assert scales == torch_scales == [512.0, 512.0, 128.0, 128.0]
+    assert all(torch.equal(a, b) for a, b in zip(params, torch_params, strict=True))

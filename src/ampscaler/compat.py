@@ -17,8 +17,8 @@ values and effects torch gives them, from the scaler's own parts: its state
 - ``_init_scale``, ``_init_growth_tracker``: the scale and growth tracker given at construction,
   loaded from a checkpoint, or held when the scaler was pickled (torch's pickling and
   state-dict tests). Assigned before the first ``scale()``, where the run starts (torch's
-  scaler reads them only then, so code assigns them to choose it); later, kept with a warning
-  that it sets nothing now.
+  scaler reads them only then, so code assigns them to choose it); later, only kept, as by
+  torch's (whose ``load_state_dict()`` assigns them and fills the live tensors beside them).
 - ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState,
   "found_inf_per_device": {device: flag}}}`` for the iteration in progress, a new
   ``defaultdict`` on each read (torch's tests, code that checks whether an optimizer was
@@ -168,8 +168,7 @@ class _StartValue:
     scaler's ``__dict__`` under the same name. torch's scaler reads them when the first
     ``scale()`` makes its tensors, so code written for it assigns them before training to
     choose where the run starts: assigned before the scale is first used, the value (validated)
-    is put into the state; afterwards it is only kept, as on torch's scaler, with a warning that
-    it sets nothing now."""
+    is put into the state; afterwards it is only kept, as on torch's scaler."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
@@ -180,17 +179,10 @@ class _StartValue:
 
     def __set__(self, scaler: TorchPrivateNames, value: object) -> None:
         state: ScalerState | None = scaler.__dict__.get("_state")
-        if state is None or not scaler._enabled:  # before __init__ made the state, or disabled:
-            scaler.__dict__[self._name] = value  # kept, as torch's keeps it, and never used
-            return
-        if state.used:
-            warn_at_caller(
-                f"scaler.{self._name} was assigned after the scale was first used: it sets "
-                "nothing now (torch's scaler reads it only when its first scale() makes the "
-                "scale). Assign scaler._scale or scaler._growth_tracker, or call "
-                "scaler.update(new_scale), to set them now.",
-                UserWarning,
-            )
+        if state is None or not scaler._enabled or state.used:
+            # Before __init__ made the state, disabled, or once the scale is in use: kept, as
+            # torch keeps it, and not read (torch's own load_state_dict() assigns it so, and
+            # fills the live tensors beside it).
             scaler.__dict__[self._name] = value
             return
         if self._name == "_init_scale":
