@@ -71,3 +71,11 @@ def test_the_scripts_cover_what_the_fuzz_claims() -> None:
     assert sum(s.group for s in scripts) > 50 and sum(s.flat for s in scripts) > 50
     assert any(s.sparse for s in scripts) and not all(s.sparse for s in scripts)
     assert sum(s.dtype != scripts[0].dtype for s in scripts) > 20  # float32 and float64
+    # torch's private idioms: a start chosen before the first scale(), torch's update() copied,
+    # a batch dropped after its backward (and its fused-optimizer cases)
+    assert sum(s.start is not None for s in scripts) > 50
+    assert (
+        sum(s.own_update for s in scripts) > 80
+        and sum(s.own_update and s.fused for s in scripts) > 30
+    )
+    assert sum(s.dropped is not None for s in scripts) > 80

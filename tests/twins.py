@@ -11,7 +11,11 @@ any kind (SGD, Adam, AdamW, Adagrad) and implementation (for-loop, foreach, fuse
 dense embedding, float32 or float64 parameters, inf/NaN losses, gradients set to ``None``,
 ``unscale_`` and clipping of any optimizer, optimizers stepped in any order (or not at all),
 checkpoints through bytes or pickle, and, for ampscaler, a process group of one and flat
-gradient buffers.
+gradient buffers; and three things code written for torch's scaler does through its private
+names: it chooses where the run starts (``_init_scale``, ``_init_growth_tracker`` before the
+first ``scale()``), it ends iterations with an ``update()`` of its own copied from torch's
+(NeMo's scaler does), and it drops a batch after its backward and runs it again (Composer does,
+after running out of memory).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import copy
 import io
 import pickle
 import random
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 POISONS = (float("inf"), float("-inf"), float("nan"))
 PARTS = ("embed", "body", "head")
@@ -96,6 +102,9 @@ class Script:
     dtype: torch.dtype = torch.float32
     group: bool = False  # ampscaler with a process group of one (the fuzz's runner makes it)
     flat: bool = False  # ampscaler with flat_grads=True
+    start: tuple[float, int] | None = None  # _init_scale, _init_growth_tracker assigned first
+    own_update: bool = False  # updates without new_scale run torch's, copied (torch_update)
+    dropped: int | None = None  # the iteration whose batch is dropped after a backward, redone
 
     def specs(self) -> list[OptimizerSpec]:
         """The optimizers, the classic pair when none were drawn."""
@@ -220,7 +229,7 @@ def make_fuzz_script(seed: int, steps: int = 12) -> Script:
     if group:  # a scaler with a process group cannot be pickled (process groups cannot)
         for it in iterations:
             it.checkpoint = "bytes" if it.checkpoint else False
-    return Script(
+    script = Script(
         seed,
         kwargs,
         fused=any(spec.impl == "fused" for spec in optimizers),
@@ -231,6 +240,13 @@ def make_fuzz_script(seed: int, steps: int = 12) -> Script:
         group=group,
         flat=rng.random() < 0.2,
     )
+    # Drawn last, so that the draws above (and every seed's script before these) stay as
+    # they were.
+    if rng.random() < 0.15:
+        script.start = (rng.choice([2.0**12, 3.0e3, 8.0]), rng.choice([0, 1, 3]))
+    script.own_update = rng.random() < 0.2
+    script.dropped = rng.randrange(steps) if rng.random() < 0.2 else None
+    return script
 
 
 @dataclass
@@ -312,8 +328,15 @@ def run_twin(script: Script, factory: Callable[..., Any]) -> Trace:
     optimizers = [spec.build(model) for spec in script.specs()]
     params = dict(model.named_parameters())
     scaler = factory("cpu", **script.scaler_kwargs)
+    if script.start is not None:
+        scaler._init_scale, scaler._init_growth_tracker = script.start
     trace = Trace()
-    for it in script.iterations:
+    for number, it in enumerate(script.iterations):
+        if number == script.dropped:
+            _losses(model, scaler, it)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         _losses(model, scaler, it)
         _poison(model, it.poison)
         for name in it.none_grads:
@@ -324,6 +347,8 @@ def run_twin(script: Script, factory: Callable[..., Any]) -> Trace:
         if it.new_scale is not None:
             value = torch.tensor(it.new_scale) if it.new_scale_as_tensor else it.new_scale
             scaler.update(value)
+        elif script.own_update:
+            torch_update(scaler)
         else:
             scaler.update()
         _record(trace, model, optimizers, scaler)
@@ -334,6 +359,25 @@ def run_twin(script: Script, factory: Callable[..., Any]) -> Trace:
         trace.scales.append(scaler.get_scale())
         trace.trackers.append(scaler._get_growth_tracker())
     return trace
+
+
+def torch_update(scaler: Any) -> None:
+    """torch's ``update()`` (without ``new_scale``), as code of one's own copies it: it reads
+    the flags and moves the scale through torch's private names, adding the flags in place into
+    the first, and ends the iteration by assigning ``_per_optimizer_states`` afresh."""
+    scale, tracker = scaler._check_scale_growth_tracker("update")
+    states = scaler._per_optimizer_states
+    flags = [
+        f.to(scale.device)
+        for state in states.values()
+        for f in state["found_inf_per_device"].values()
+    ]
+    combined = flags[0]
+    for flag in flags[1:]:
+        combined += flag
+    rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
+    torch._amp_update_scale_(scale, tracker, combined, *rule)
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
 def nan_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
