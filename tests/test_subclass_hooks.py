@@ -533,3 +533,23 @@ def test_a_load_state_dict_copied_from_torchs_loads_alike(trained_first: bool) -
     (torch_params, torch_scales, _), (params, scales, _) = runs
     assert scales == torch_scales == [512.0, 512.0, 128.0, 128.0]
     assert all(torch.equal(a, b) for a, b in zip(params, torch_params, strict=True))
+
+
+def test_an_update_that_adds_the_flags_in_place_leaves_each_fused_steps_verdict() -> None:
+    """torch's update() adds the optimizers' flags into the first one's, in place; copied into
+    code of one's own, that must not make the first fused optimizer's step read as skipped
+    (ampscaler reads a fused step's verdict from its flag when asked)."""
+    models = [torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)]
+    clean, poisoned = (torch.optim.Adam(m.parameters(), fused=True) for m in models)
+    scaler = ampscaler.GradScaler("cpu")
+    scaler.scale(sum(m(torch.ones(1, 2)).sum() for m in models)).backward()
+    models[1].bias.grad.fill_(float("inf"))
+    scaler.step(clean)
+    scaler.step(poisoned)
+    states = scaler._per_optimizer_states
+    flags = [f for state in states.values() for f in state["found_inf_per_device"].values()]
+    for flag in flags[1:]:
+        flags[0] += flag  # as torch's update() combines them
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+    assert (scaler.step_skipped(clean), scaler.step_skipped(poisoned)) == (False, True)
+    assert scaler.metrics("")["skips"] == 1

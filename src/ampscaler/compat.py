@@ -22,7 +22,10 @@ values and effects torch gives them, from the scaler's own parts: its state
 - ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState,
   "found_inf_per_device": {device: flag}}}`` for the iteration in progress, a new
   ``defaultdict`` on each read (torch's tests, code that checks whether an optimizer was
-  unscaled). The flag is the optimizer's combined flag, on the scale's device. An entry is
+  unscaled). The flag is the optimizer's combined flag, on the scale's device: the tensor
+  itself, so that writes into it count (an ``unscale_()`` override agreeing on it across ranks;
+  an ``update()`` copied from torch's adds the flags into the first), while what a fused
+  optimizer's step decided stays as it was (``step_skipped()``). An entry is
   read-only: writing to it (an ``unscale_()`` copied from torch's sharded scaler writes
   ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError`` that says to call
   ``super().unscale_()`` and change the flags in place instead. Assigning it a fresh, empty
@@ -267,6 +270,8 @@ class TorchPrivateNames:
         states: defaultdict[int, _OptimizerEntry] = defaultdict(_OptimizerEntry)
         for key, record in self._iteration.records.items():
             found = record.found_inf
+            if record.outcome is not None:  # stepped: code of its own may now write the flag
+                record.outcome.keep_own_flag(found)  # in place (torch's update() adds them so)
             stage = TorchOptState[record.stage.name]
             states[key] = _OptimizerEntry(stage, None if found is None else {found.device: found})
         return states

@@ -135,6 +135,13 @@ class StepOutcome:
         reason = self.reason
         return StepOutcome(reason == "nonfinite", reason == "spike")
 
+    def keep_own_flag(self, shared: torch.Tensor | None) -> None:
+        """Hold a copy of the inf/NaN flag where it is still the device tensor ``shared`` (one
+        small device op), so that a later write into ``shared`` leaves the verdict as the step
+        saw it."""
+        if self._found_inf is shared and shared is not None:
+            self._found_inf = shared.clone()
+
 
 @dataclass
 class OptimizerRecord:
