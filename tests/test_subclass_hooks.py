@@ -553,3 +553,18 @@ def test_an_update_that_adds_the_flags_in_place_leaves_each_fused_steps_verdict(
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
     assert (scaler.step_skipped(clean), scaler.step_skipped(poisoned)) == (False, True)
     assert scaler.metrics("")["skips"] == 1
+
+
+def test_an_update_of_ones_own_is_held_at_the_floor() -> None:
+    """Whatever moved the scale, an iteration ends with it at or above 2**-126, as after
+    ampscaler's own update(); torch's goes below, where unscaling is no longer exact."""
+    theirs, ours = _twins({"hysteresis": 1, "update": TorchStyleUpdate.update})
+    after = []
+    for scaler in (theirs, ours):
+        scaler._init_scale = 2.0**-125  # one backoff above the floor
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ampscaler says when the scale reaches the floor
+            first = _train(scaler, steps=2, inf_at=0)[1]  # a backoff, then a clean step
+            after.append(first + _train(scaler, steps=1, inf_at=0)[1])  # and one more
+    assert after[0] == [2.0**-126, 2.0**-126, 2.0**-127]  # torch's
+    assert after[1] == [2.0**-126, 2.0**-126, 2.0**-126]  # ampscaler's: held at the floor
