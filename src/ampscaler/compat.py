@@ -188,14 +188,20 @@ class _StartValue:
             # fills the live tensors beside it).
             scaler.__dict__[self._name] = value
             return
-        if self._name == "_init_scale":
-            scale = float32_value(state.policy.check_scale(self._name, value))
-            state.put(scale=scale)
-            scaler.__dict__[self._name] = scale
-        else:
-            count = require_int(self._name, value, 0, INT32_MAX, integral_floats=True)
-            state.put(growth_tracker=count)
-            scaler.__dict__[self._name] = count
+        scaler.__dict__[self._name] = _put(state, self._name, value)
+
+
+def _put(state: ScalerState, name: str, value: object) -> float | int:
+    """Write ``value``, assigned to torch's name ``name``, into ``state``: a scale (``_scale``,
+    ``_init_scale``) validated as ``update(new_scale)`` is, or a growth tracker count; an
+    ``InvalidConfigError`` naming ``name`` changes nothing. Returns what was written."""
+    if name.endswith("scale"):
+        scale = float32_value(state.policy.check_scale(name, value))
+        state.put(scale=scale)
+        return scale
+    count = require_int(name, value, 0, INT32_MAX, integral_floats=True)
+    state.put(growth_tracker=count)
+    return count
 
 
 class TorchPrivateNames:
@@ -223,8 +229,7 @@ class TorchPrivateNames:
         # update(), or a state before saving): written into the live scale, which keeps its
         # identity. A disabled scaler never uses it, as torch's does not.
         if self._enabled:
-            scale = float32_value(self._state.policy.check_scale("_scale", value))
-            self._state.put(scale=scale)
+            _put(self._state, "_scale", value)
 
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
@@ -234,8 +239,7 @@ class TorchPrivateNames:
     @_growth_tracker.setter
     def _growth_tracker(self, value: object) -> None:
         if self._enabled:  # as _scale
-            count = require_int("_growth_tracker", value, 0, INT32_MAX, integral_floats=True)
-            self._state.put(growth_tracker=count)
+            _put(self._state, "_growth_tracker", value)
 
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor without a sync (``None`` before a device is known)."""
