@@ -506,7 +506,7 @@ def spike_guard() -> Row:
         sgd,
         iterations=10,
         note="torch has no spike guard",
-        adds=21,
+        adds=20,
     )
 
 

@@ -27,10 +27,11 @@ from ampscaler.guards import SpikeGuard, StepMeasurements
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "dispatch_count.py"
 
 #: The most aten ops a SpikeGuard may add to a default iteration of one plain optimizer (26
-#: before its window kept +inf in unfilled slots and a scratch column): the norm (3), the
-#: values (2), the decision (4), the flag's join (1), whether the step was skipped (1), the
-#: append (7), and what the scaler does for a guard (3: the loss, and the skip's two flags).
-GUARD_OPS = 21
+#: before its window kept +inf in unfilled slots and a scratch column, 21 before every loss
+#: was kept detached): the norm (3), the values (2), the decision (4), the flag's join (1),
+#: whether the step was skipped (1), the append (7), and what the scaler does for a guard (2:
+#: the factor the gradients were unscaled by, and the loss's sum).
+GUARD_OPS = 20
 
 
 def _dispatch_count() -> Any:

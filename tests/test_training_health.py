@@ -394,6 +394,66 @@ def test_the_scaler_does_not_keep_a_losss_autograd_graph_alive(fused: bool, over
         assert report is not None and report.cause == "loss"
 
 
+
+def test_a_loss_whose_backward_failed_is_not_kept_alive_and_the_retry_steps_as_torchs() -> None:
+    """A trainer that runs out of memory in the backward drops its loss, frees memory and runs
+    the batch again (ultralytics, Accelerate's ``find_executable_batch_size``): the scaler must
+    not hold the failed graph (the activations its backward did not free) until ``update()``,
+    as torch's holds none. The retry then steps and moves the scale as torch's scaler does."""
+    import gc
+    import weakref
+
+    class Marker:
+        pass
+
+    class FailsOnce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, marker: Marker | None) -> torch.Tensor:
+            ctx.marker = marker
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            if ctx.marker is not None:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return grad, None
+
+    ours, theirs = ampscaler.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    models = [_mlp(), _mlp()]
+    for model, scaler in zip(models, (ours, theirs), strict=True):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        marker = Marker()
+        held = weakref.ref(marker)
+        loss = FailsOnce.apply(_loss(model, 0), marker)
+        del marker
+        with pytest.raises(RuntimeError, match="out of memory"):
+            scaler.scale(loss).backward()
+        del loss
+        gc.collect()
+        assert held() is None, type(scaler)
+        opt.zero_grad()
+        scaler.scale(FailsOnce.apply(_loss(model, 0), None)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert ours.get_scale() == theirs.get_scale()
+    for mine, torchs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(mine, torchs)
+
+
+def test_a_long_accumulation_still_refuses_a_load_in_the_middle() -> None:
+    """Past sixteen ``scale()`` calls the kept losses are summed into one (the seventeenth
+    call leaves nothing but the sum); the iteration still knows that a loss with a graph was
+    scaled, so ``load_state_dict`` in the middle of the accumulation is refused as after one
+    micro-batch."""
+    scaler = ampscaler.GradScaler("cpu")
+    model = _mlp()
+    saved = scaler.state_dict()
+    for batch in range(17):
+        scaler.scale(_loss(model, batch)).backward()
+    with pytest.raises(ampscaler.ScalerUsageError, match="middle of an iteration"):
+        scaler.load_state_dict(saved)
+
+
 # ---------------------------------------------------------------- the wrong precision
 
 

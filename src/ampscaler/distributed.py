@@ -410,10 +410,11 @@ class RankAgreement:
         if loss.dim():
             loss = loss.reshape(())
         verdict = torch.stack([loss, held, flag, fingerprint, negated])
-        agreed = verdict[_FLAG]
+        slots = verdict.unbind()  # the views, in one op
+        agreed = slots[_FLAG]
         iteration.launched.append((self._reduce(verdict, dist.ReduceOp.MAX), verdict, agreed))
         record.local_found_inf, record.found_inf = found_inf, agreed
-        iteration.loss_nonfinite = verdict[_LOSS]
+        iteration.loss_nonfinite = slots[_LOSS]
 
     def read_early(self, record: OptimizerRecord) -> None:
         """Nothing is read at ``unscale_()``: the flag is agreed, and read, in ``step()``."""

@@ -173,8 +173,11 @@ class Iteration:
 
     Attributes:
         records: per optimizer (by ``id``), in the order they were first seen.
-        losses: the losses given to ``scale()`` (read detached, only on skipped steps and by
-            guards; after ``update()`` detached, or none where it was clean).
+        losses: the losses given to ``scale()``, detached: the iteration holds no autograd
+            graph, so a backward that fails (out of memory) leaves nothing of it alive (read
+            only on skipped steps and by guards).
+        graph_scaled: whether a loss given to ``scale()`` had an autograd graph (its backward
+            may have put gradients at this iteration's scale).
         scale: the live scale while the iteration runs; after ``update()`` a copy of the scale
             it ran at.
         start_scale: a copy of the scale the iteration runs at, when one was made (the first
@@ -214,6 +217,7 @@ class Iteration:
     new_scale: torch.Tensor | None = None
     attempt: int = 0
     losses_summed: bool = False  # a long accumulation's losses were summed into one
+    graph_scaled: bool = False
     measured: torch.Tensor | None = None
     by_policy: bool = True
     vetoes: Mapping[VetoCause, Veto] = NO_VETOES
@@ -279,7 +283,7 @@ class Iteration:
             ScalerUsageError: ``scale()`` of such a loss, ``unscale_()`` or ``step()`` came
                 since the last ``update()``.
         """
-        if self.records or any(loss.requires_grad for loss in self.losses):
+        if self.records or self.graph_scaled:
             raise ScalerUsageError(
                 f"scaler.{funcname}() was called in the middle of an iteration (after "
                 "scale(), unscale_() or step(), before update()): the gradients already hold "
@@ -311,10 +315,12 @@ class Iteration:
         return any(record.stage is OptState.STEPPED for record in self.records.values())
 
     def keep_loss(self, loss: torch.Tensor, flag: bool = False) -> None:
-        """Keep a loss given to ``scale()`` (as given, until ``update()`` lets go of it; no
-        device work unless many are kept, when they are summed into one); with ``flag``, also
-        fold whether it is inf/NaN into :attr:`local_loss_flag` (two small device ops, a third
-        for a loss of several elements and from the second loss on; no host sync)."""
+        """Keep a loss given to ``scale()``, detached (a view: no device work unless many are
+        kept, when they are summed into one); with ``flag``, also fold whether it is inf/NaN
+        into :attr:`local_loss_flag` (two small device ops, a third for a loss of several
+        elements and from the second loss on; no host sync)."""
+        self.graph_scaled = self.graph_scaled or loss.requires_grad
+        loss = loss.detach()
         losses = self.losses
         losses.append(loss)
         if flag:
@@ -326,11 +332,8 @@ class Iteration:
             self.losses_summed = True
 
     def __getstate__(self) -> dict[str, object]:
-        # A copy (copy.deepcopy, pickle) taken after scale() carries the losses detached: a
-        # loss that is not a graph leaf refuses deepcopy, and a copy holds no autograd graph.
         # Reductions in flight belong to this object (a copy agrees anew).
         state = self.__dict__.copy()
-        state["losses"] = [loss.detach() for loss in self.losses]
         state["launched"] = []
         return state
 
@@ -441,8 +444,8 @@ def nonfinite_flag(values: torch.Tensor) -> torch.Tensor:
 
 
 def _loss_sum(losses: list[torch.Tensor]) -> torch.Tensor:
-    """The losses summed into one float32 value, on the first one's device (detached)."""
+    """The (detached) losses summed into one float32 value, on the first one's device."""
     device = losses[0].device
     if len(losses) == 1:
-        return losses[0].detach().to(torch.float32).sum()
-    return torch.stack([loss.detach().to(device, torch.float32).sum() for loss in losses]).sum()
+        return losses[0].to(torch.float32).sum()
+    return torch.stack([loss.to(device, torch.float32).sum() for loss in losses]).sum()

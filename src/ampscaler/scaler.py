@@ -467,11 +467,8 @@ class GradScaler(TorchPrivateNames):
         return scaled
 
     def _keep_loss(self, loss: torch.Tensor, compiling: bool) -> None:
-        # Eagerly the loss is kept as given and let go of at update(); a compiled step keeps
-        # it detached: one path for every step.
-        kept = loss.detach() if compiling else loss
         iteration = self._iteration
-        iteration.keep_loss(kept, flag=self._agreement.flags_losses)
+        iteration.keep_loss(loss, flag=self._agreement.flags_losses)
         if not compiling:  # a Python count read under torch.compile would be guarded on
             for hook in self._hooks.at_scale:
                 hook.at_scale(iteration)
@@ -782,22 +779,12 @@ class GradScaler(TorchPrivateNames):
             live = self._state.advance(iteration, overflowed, compiling)
             if not compiling:
                 self._agreement.moved()  # every rank moved alike: no new fingerprint
-        self._end(iteration, live, overflowed, compiling)
+        self._end(iteration, live, compiling)
 
-    def _end(
-        self, iteration: Iteration, live: LiveState, overflowed: bool | None, compiling: bool
-    ) -> None:
+    def _end(self, iteration: Iteration, live: LiveState, compiling: bool) -> None:
         """End ``iteration``, whose update has moved the state: it is kept for its report until
         the next one ends, and the hooks hear of it."""
-        # It must not hold the autograd graph behind its losses: a clean one (known on the host
-        # to have overflowed nowhere: no skip's cause will be asked) drops them, any other
-        # keeps them detached (a compiled scale() kept them detached: nothing to branch on).
         hooks = self._hooks
-        if not compiling:
-            if overflowed is False:
-                iteration.losses.clear()
-            else:
-                iteration.losses[:] = [loss.detach() for loss in iteration.losses]
         iteration.new_scale = live.scale
         self._finished, self._iteration = iteration, Iteration()
         if self._bf16.active:
@@ -821,7 +808,7 @@ class GradScaler(TorchPrivateNames):
         not counted (a trainer that runs a batch again after running out of memory drops it
         so; a subclass's ``__init__`` that assigns them finds none). No host sync."""
         iteration = self._iteration
-        _, found_inf, overflowed, spiked = self._agreement.flags(iteration)
+        _, found_inf, _, spiked = self._agreement.flags(iteration)
         if found_inf is None or not iteration.stepped:
             self._iteration = Iteration()
             return
@@ -832,7 +819,7 @@ class GradScaler(TorchPrivateNames):
             hook.before_update(iteration, live)
         self._state.moved_outside(iteration)
         self._agreement.moved()
-        self._end(iteration, live, overflowed, compiling=False)
+        self._end(iteration, live, compiling=False)
 
     def _set_scale(
         self, new_scale: float | torch.Tensor | None, iteration: Iteration
