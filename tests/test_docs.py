@@ -124,3 +124,14 @@ def test_the_jsonl_example_has_the_keys_a_record_is_written_with(tmp_path: Path)
     written = json.loads((tmp_path / "steps.jsonl").read_text(encoding="utf-8"))
     assert example.keys() == written.keys()
     assert example["overflow"].keys() == written["overflow"].keys()
+
+
+def test_the_rank_reports_read_as_distributed_shows_them() -> None:
+    """docs/distributed.md's two lines, one per rank, for an overflow on rank 1 of two."""
+    text = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    shown = re.findall(r"^rank (\d): (.*)$", text, re.MULTILINE)
+    reports = [
+        OverflowReport(3, [], {}, 65536.0, rank=0, ranks=(1,), cause="gradients"),
+        OverflowReport(3, ["0.weight"], {"0.weight": "inf"}, 65536.0, 1, (1,), cause="gradients"),
+    ]
+    assert shown == [(str(report.rank), str(report)) for report in reports]
