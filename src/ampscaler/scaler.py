@@ -1428,7 +1428,7 @@ class GradScaler(TorchPrivateNames):
           with the :class:`~ampscaler.guards.Guard` protocol): from the next ``step()`` on,
           each optimizer's step is also skipped when a guard says so, and the scale does not
           back off for it. The verdict stays on the device, so no host sync is added; with a
-          guard, ``update()`` under ``torch.compile`` runs in the compiled graph instead of
+          guard, ``update()`` under ``torch.compile`` runs at once (a graph break) instead of
           being handed to the next ``scale()``;
         - a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer` on the
           models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of
