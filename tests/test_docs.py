@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from ampscaler import GradScaler
+from ampscaler import GradScaler, JsonlSink, OverflowReport
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,3 +77,61 @@ def test_the_test_command_installs_the_engines_it_tests() -> None:
     for name in ("MEGATRON_CORE", "DEEPSPEED"):
         version = re.search(rf"^{name}=(\S+)$", script, re.MULTILINE)
         assert version is not None and version.group(1) in guide
+
+
+@pytest.mark.parametrize(
+    ("name", "index"),
+    [("README.md", 2), ("docs/guide.md", 1), ("docs/guide.md", 2), ("docs/headroom.md", 0)],
+)
+def test_the_self_contained_snippets_run_as_written(name: str, index: int) -> None:
+    """Snippets that import what they use run on the CPU as they are printed (README's policies,
+    the guide's policy objects, the headroom loop)."""
+    snippet = _python_blocks(name)[index]
+    assert snippet.startswith(("from ampscaler import", "import torch"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(snippet, name, "exec"), {})
+
+
+def test_the_overflow_report_reads_as_diagnostics_shows_it() -> None:
+    """docs/diagnostics.md prints a report in a comment: the text a report of those parameters
+    gives, its cause included."""
+    snippet = next(b for b in _python_blocks("docs/diagnostics.md") if "# step 1412:" in b)
+    shown = " ".join(line.lstrip("# ") for line in snippet.splitlines() if line.startswith("# "))
+    report = OverflowReport(
+        step=1412,
+        names=["decoder.fc2.weight", "decoder.fc2.bias"],
+        kinds={"decoder.fc2.weight": "inf", "decoder.fc2.bias": "inf"},
+        scale=65536.0,
+        cause="gradients",
+    )
+    assert shown == str(report)
+
+
+def test_the_jsonl_example_has_the_keys_a_record_is_written_with(tmp_path: Path) -> None:
+    """docs/diagnostics.md's JSONL line: the keys of a skipped step's record and of its
+    overflow report, as JsonlSink writes them."""
+    text = (ROOT / "docs" / "diagnostics.md").read_text(encoding="utf-8")
+    example = json.loads(re.findall(r"```json\n(.*?)```", text, re.S)[0])
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    with JsonlSink(tmp_path / "steps.jsonl") as sink:
+        scaler.attach(sink)
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        model.weight.grad.fill_(float("inf"))  # type: ignore[union-attr]
+        scaler.step(opt)
+        scaler.update()
+    written = json.loads((tmp_path / "steps.jsonl").read_text(encoding="utf-8"))
+    assert example.keys() == written.keys()
+    assert example["overflow"].keys() == written["overflow"].keys()
+
+
+def test_the_rank_reports_read_as_distributed_shows_them() -> None:
+    """docs/distributed.md's two lines, one per rank, for an overflow on rank 1 of two."""
+    text = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    shown = re.findall(r"^rank (\d): (.*)$", text, re.MULTILINE)
+    reports = [
+        OverflowReport(3, [], {}, 65536.0, rank=0, ranks=(1,), cause="gradients"),
+        OverflowReport(3, ["0.weight"], {"0.weight": "inf"}, 65536.0, 1, (1,), cause="gradients"),
+    ]
+    assert shown == [(str(report.rank), str(report)) for report in reports]

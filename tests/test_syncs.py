@@ -139,6 +139,33 @@ def test_plain_path_syncs_once_per_step(
     assert ours == syncs_per_step(torch.amp.GradScaler, False, set_to_none, monkeypatch, None)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_unscale_takes_the_read_step_would_make(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's table: ``unscale_`` of a plain optimizer reads its flag (the one read its
+    ``step()`` makes otherwise), and that ``step()`` then reads nothing; fused: neither reads."""
+    counter = SyncCounter(monkeypatch)
+    model = torch.nn.Linear(4, 1)
+    if fused:
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt.step = counter.not_counting(opt.step)  # type: ignore[method-assign]
+    scaler = ampscaler.GradScaler("cpu")
+    counts = []
+    for _ in range(3):
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        for call in (scaler.unscale_, scaler.step):
+            counter.count = 0
+            with counter.counting():
+                call(opt)
+            counts.append(counter.count)
+        scaler.update()
+        opt.zero_grad()
+    assert counts == ([0, 0] if fused else [1, 0]) * 3
+
+
 def test_long_fused_runs_read_the_scale_only_for_the_collapse_watch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

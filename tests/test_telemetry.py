@@ -70,6 +70,27 @@ def test_events_fire_once_per_matching_iteration_and_can_be_removed() -> None:
     assert {event: len(steps) for event, steps in fired.items()} == before
 
 
+def test_sinks_are_served_before_callbacks_each_in_the_order_added() -> None:
+    """docs/diagnostics.md: sinks in the order they were added, then callbacks in theirs,
+    whatever order the two kinds were added in."""
+    scaler = GradScaler("cpu")
+    served: list[str] = []
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def write(self, record: StepRecord) -> None:
+            served.append(self.name)
+
+    scaler.on("step", lambda record: served.append("callback 1"))
+    scaler.attach(Named("sink 1"))
+    scaler.on("step", lambda record: served.append("callback 2"))
+    scaler.attach(Named("sink 2"))
+    _train(scaler, steps=1)
+    assert served == ["sink 1", "sink 2", "callback 1", "callback 2"]
+
+
 def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record every Python-level read of a tensor's value (the host syncs of CPU code)."""
     reads: list[str] = []

@@ -247,6 +247,20 @@ def test_a_spike_step_is_recorded_as_such() -> None:
     assert not any(r.spike for r in history.records[:-1])
 
 
+def test_a_spike_step_counts_as_clean_toward_growth() -> None:
+    """docs/diagnostics.md: a spike skip does not back the scale off, and the growth tracker
+    counts it as a clean step (its gradients were finite at that scale)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10, growth_interval=6)
+    scaler.attach(SpikeGuard(window=4))
+    reasons = _reasons(scaler, model, opt, 5, lambda step, loss: step == 4 and _spike_grads(model))
+    assert reasons == [None] * 4 + ["spike"]
+    assert scaler.get_scale() == 2.0**10 and scaler.state_dict()["_growth_tracker"] == 5
+    _reasons(scaler, model, opt, 1, lambda step, loss: None)
+    assert scaler.get_scale() == 2.0**11  # the sixth step in a row without an overflow
+
+
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
     [

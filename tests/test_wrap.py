@@ -4,6 +4,7 @@ rates), and what it cannot do is refused with a clear error or shown as a docume
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import pytest
@@ -133,6 +134,26 @@ def test_unwrap_gives_the_optimizer_its_methods_back() -> None:
     scaler.wrap(model, opt)  # wrapping again is allowed after unwrap()
     scaler.unwrap()
     scaler.unwrap()  # not wrapped: nothing to do
+
+
+def test_a_scheduler_built_before_wrap_does_not_warn_that_step_was_overridden() -> None:
+    """An engine builds its optimizer and LR scheduler, then the loop is wrapped: torch's
+    scheduler checks at its first step() that the optimizer's step is still the one it wrapped,
+    and warns when not; the scheduler's wrapper still runs, inside the scaler's."""
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = adamw(model)[0]
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    scaler = ampscaler.GradScaler("cpu", init_scale=2.0**10)
+    scaler.wrap(model, opt)
+    _backward(model)
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.step()
+    assert scaler.metrics()["scaler/steps"] == 1 and scheduler.get_last_lr() == [0.5e-2]
+    scaler.unwrap()
+    assert hasattr(opt.step, "_wrapped_by_lr_sched")  # the scheduler's own wrapper, restored
 
 
 def test_refusals() -> None:

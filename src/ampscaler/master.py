@@ -131,8 +131,10 @@ class MasterWeightOptimizer(Optimizer):
       A parameter that becomes fp16 after wrapping was never given a master, and
       :meth:`step` raises instead of stepping it in fp16.
     * Clip or otherwise edit the *master* gradients (:meth:`master_params`), after
-      :meth:`copy_grads_to_masters`. Editing the model's gradients after the copy has no
-      effect on the update, so :meth:`step` raises when it sees that they changed.
+      :meth:`copy_grads_to_masters`. Editing the model's gradients after the copy that was
+      checked (``scaler.unscale_(opt)``'s, or yours with another scaler) has no effect on the
+      update, so :meth:`step` raises when it sees that they changed. (An edit before
+      ``ampscaler.GradScaler`` checks them is copied again there.)
     * Weights written into the model from outside (``model.load_state_dict``, a
       re-initialisation) are picked up: before stepping, any master whose model parameter
       changed in place since the last copy-back is refreshed from the model.

@@ -588,7 +588,8 @@ class GradScaler(TorchPrivateNames):
         ``None`` when the step was skipped. For optimizers that skip inside their own kernel
         (``_step_supports_amp_scaling``, e.g. ``Adam(fused=True)``) the scale and the inf flag
         are handed to the optimizer and nothing waits for the device; for all others, deciding
-        whether to step reads one flag from the device (a host sync), as in torch.
+        whether to step reads one flag from the device (a host sync, as in torch; made by
+        :meth:`unscale_` when it ran).
 
         Under ``torch.compile`` it runs eagerly, as torch's ``step()`` does (one graph break;
         the optimizer's own step breaks the graph anyway). Call :meth:`unscale_` first to have
@@ -739,10 +740,11 @@ class GradScaler(TorchPrivateNames):
         are: with gloo the host waits); with a measuring policy ``update()`` runs eagerly under
         ``torch.compile`` (a graph break).
 
-        Under ``torch.compile`` (with none of those three) it hands the iteration's flags to the
-        state and the next ``scale()`` applies them, so it compiles with no device work of its
-        own; anything that reads the state applies a pending update first, so the values are
-        the eager run's (docs/compiled.md).
+        Under ``torch.compile``, without ``new_scale``, ``max_consecutive_skips``, consumers of
+        step records, guards or a policy that holds on a non-finite loss, it hands the
+        iteration's flags to the state and the next ``scale()`` applies them, so it compiles
+        with no device work of its own; anything that reads the state applies a pending update
+        first, so the values are the eager run's (docs/compiled.md).
 
         Raises:
             AssertionError / RuntimeError: no ``step()`` (or ``unscale_``) was recorded in this
@@ -1413,7 +1415,7 @@ class GradScaler(TorchPrivateNames):
           with the :class:`~ampscaler.guards.Guard` protocol): from the next ``step()`` on,
           each optimizer's step is also skipped when a guard says so, and the scale does not
           back off for it. The verdict stays on the device, so no host sync is added; with a
-          guard, ``update()`` under ``torch.compile`` runs in the compiled graph instead of
+          guard, ``update()`` under ``torch.compile`` runs at once (a graph break) instead of
           being handed to the next ``scale()``;
         - a :class:`~ampscaler.GradientProbe` or a :class:`~ampscaler.NonFiniteTracer` on the
           models given to :meth:`watch`, or a :class:`~ampscaler.CollapseWatch` in place of

@@ -139,6 +139,11 @@ class LoopFree:
                 return original(*args, **kwargs)
             return method(bound_to, original, *args, **kwargs)
 
+        if hasattr(original, "_wrapped_by_lr_sched"):
+            # An LR scheduler built before wrap() wrapped step() and checks at its first step
+            # that step() is still its wrapper (else it warns that step() was overridden): its
+            # wrapper runs all the same, inside this one, so the mark carries over.
+            vars(call)["_wrapped_by_lr_sched"] = True
         patched = types.MethodType(call, optimizer)  # a bound method, as schedulers expect
         setattr(optimizer, name, patched)
 
