@@ -41,6 +41,7 @@ Factory = Callable[..., Any]
 ITERATIONS = 12
 ACCUMULATION = 2
 OVERFLOW_AT = 4  # 1-based iteration whose target overflows the scaled float32 gradients
+CHECKPOINT_EVERY = 3  # Events.ITERATION_COMPLETED(every=3): odd, with an accumulation of 2
 TORCH_CPU_WARNING = "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
 
 
@@ -61,14 +62,18 @@ def check_scaler_argument(amp_mode: str | None, scaler: Any) -> Any:
     return scaler if scaler and amp_mode == "amp" else None
 
 
-def train_like_ignite(scaler: Any) -> tuple[list[float], list[torch.Tensor], list[float]]:
+def train_like_ignite(
+    scaler: Any,
+) -> tuple[list[float], list[torch.Tensor], list[float], list[dict[str, Any]]]:
     """Ignite's amp update function over ITERATIONS iterations with accumulation; returns the
-    scale after each iteration, the parameters and the losses it reported."""
+    scale after each iteration, the parameters, the losses it reported and the scaler's state
+    saved by a checkpoint handler every CHECKPOINT_EVERY iterations (odd: some in the middle
+    of an accumulation, after a backward and before the step)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)
-    scales, losses = [], []
+    scales, losses, saved = [], [], []
     for iteration in range(1, ITERATIONS + 1):
         x, y = torch.randn(3, 4, generator=data), torch.randn(3, 1, generator=data)
         if iteration == OVERFLOW_AT:
@@ -90,7 +95,9 @@ def train_like_ignite(scaler: Any) -> tuple[list[float], list[torch.Tensor], lis
                 optimizer.step()
         losses.append((loss * ACCUMULATION).item())
         scales.append(scaler.get_scale() if scaler else 1.0)
-    return scales, [p.detach().clone() for p in model.parameters()], losses
+        if iteration % CHECKPOINT_EVERY == 0:
+            saved.append(scaler.state_dict())
+    return scales, [p.detach().clone() for p in model.parameters()], losses, saved
 
 
 def make(factory: Factory) -> Any:
@@ -109,6 +116,8 @@ def test_ignites_amp_update_function_matches_torch(patched: bool) -> None:
     assert theirs[0][OVERFLOW_AT - 1] < theirs[0][OVERFLOW_AT - 2]  # the overflow backed off
     assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
     assert ours[2] == theirs[2]
+    for our_state, their_state in zip(ours[3], theirs[3], strict=True):
+        assert {key: our_state[key] for key in their_state} == their_state
 
 
 def test_the_scaler_argument_is_validated_as_for_torchs() -> None:
@@ -153,7 +162,7 @@ def test_scaler_true_without_cuda_warns_as_torch_so_its_filter_still_silences_it
     # A disabled scaler is still truthy: the update function takes its scaling branch, where
     # scale() returns the loss as it is and step() steps unconditionally, as torch's does (the
     # overflowing iteration then writes NaN into the parameters of both).
-    (our_scales, our_params, _), (their_scales, their_params, _) = (
+    (our_scales, our_params, _, _), (their_scales, their_params, _, _) = (
         train_like_ignite(ours),
         train_like_ignite(theirs),
     )
