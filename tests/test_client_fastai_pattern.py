@@ -32,6 +32,7 @@ it lists, call its ``step()`` exactly when torch's would, and leave it unchanged
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -220,3 +221,41 @@ def test_bfloat16_mode_builds_a_disabled_scaler_that_steps_every_batch_as_torchs
     assert ours[1] == theirs[1] == [[1.0] * 5, [1.0] * 5]
     for a, b in zip(ours[2], theirs[2], strict=True):
         assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def delegated_signature(target: Any) -> list[str]:
+    """fastcore's ``@delegates(GradScaler)`` on ``Learner.to_fp16(self, **kwargs)``: the
+    keyword parameters ``to_fp16`` shows (help, completion) are read from ``target``'s
+    signature when fastai is imported."""
+    return [
+        name
+        for name, p in inspect.signature(target).parameters.items()
+        if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def test_to_fp16_delegates_to_torchs_signature_when_fastai_is_imported_under_the_patch() -> None:
+    """Imported while ``patch_torch`` is in force (``AMPSCALER_PATCH`` at start-up), fastai
+    reads the signature of the stand-in: it must be torch's, so ``to_fp16`` keeps listing
+    ``init_scale``, ``growth_interval``, ... A class derived from a stand-in keeps its own."""
+    from torch.distributed.fsdp import sharded_grad_scaler
+
+    names = {
+        "amp": (torch.amp, "GradScaler"),
+        "cuda": (torch.cuda.amp, "GradScaler"),
+        "cpu": (torch.cpu.amp, "GradScaler"),
+        "sharded": (sharded_grad_scaler, "ShardedGradScaler"),
+    }
+    theirs = {key: inspect.signature(getattr(*where)) for key, where in names.items()}
+    ampscaler.patch_torch()
+    ours = {key: inspect.signature(getattr(*where)) for key, where in names.items()}
+    assert ours == theirs
+    assert "growth_interval" in delegated_signature(torch.amp.GradScaler)
+
+    class FrameworkScaler(torch.amp.GradScaler):
+        def __init__(self, device: str = "cpu", *, window: int = 8) -> None:
+            super().__init__(device)
+            self.window = window
+
+    assert list(inspect.signature(FrameworkScaler).parameters) == ["device", "window"]
+    assert FrameworkScaler(window=4).window == 4
