@@ -16,6 +16,9 @@ file re-creates, in its own words, what it does with a scaler, as read in
   ``skipped = False``. Still skipped afterwards, it raises ``CancelStepException`` and the
   learner does not step; otherwise it records ``scaler.get_scale()`` and the learner then runs
   its own optimizer's ``step()`` on the gradients the scaler unscaled in place;
+- fastai's ``GradientClip`` callback, ordered after it, clips the gradients between
+  ``scaler.step(cb)`` and the learner's step: it relies on ``step(cb)`` unscaling them in
+  place;
 - ``after_step`` (run whether the step was cancelled or not) calls ``scaler.update()``; the
   learner then zeroes the gradients;
 - fastai's optimizer is not torch's either: its ``param_groups`` are built afresh on every
@@ -185,6 +188,9 @@ def fine_tune_like_fastai(
                 model[2].weight.grad.view(-1)[batch] = float("inf") if fit else float("nan")
             try:
                 cb.before_step()
+                # fastai's GradientClip (ordered after MixedPrecision) clips what step(cb)
+                # left: the gradients it unscaled in place
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
                 learn.opt.step()
             except CancelStepException:
                 pass
