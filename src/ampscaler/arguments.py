@@ -10,13 +10,12 @@ Example:
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
 
-from .errors import InvalidConfigError
+from .errors import InvalidConfigError, warn_at_caller
 from .policy.base import Policy, check_switch, float32_value, require_int
 
 __all__ = [
@@ -123,8 +122,9 @@ def _device_type(device: object) -> str | None:
 def device_and_enabled(device: object, enabled: object) -> tuple[str | None, bool]:
     """The device type (``None``: the first scaled tensor's) and whether the scaler is on.
 
-    Like torch, ``"cuda"`` on a machine without CUDA warns and disables the scaler, and
-    ``enabled`` takes any truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
+    Like torch, ``"cuda"`` on a machine without CUDA warns (torch's message, then ampscaler's
+    hint; pointing at the caller's line) and disables the scaler, and ``enabled`` takes any
+    truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
 
     Raises:
         InvalidConfigError: ``device`` is not a device.
@@ -132,10 +132,13 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     enabled = bool(enabled)
     device_type = _device_type(device)
     if enabled and device_type == "cuda" and not torch.cuda.is_available():
-        warnings.warn(
-            "ampscaler.GradScaler is enabled for 'cuda', but CUDA is not available. Disabling "
-            "(as torch.amp.GradScaler does); pass device='cpu' or None to scale on the CPU.",
-            stacklevel=3,
+        # torch's words first: code silences torch's warning by its text
+        # (warnings.filterwarnings("ignore", message=...)), and under patch_torch this is it.
+        warn_at_caller(
+            "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling. "
+            "(ampscaler.GradScaler, as torch's: pass device='cpu' or None to scale on the "
+            "CPU.)",
+            UserWarning,
         )
         return device_type, False
     return device_type, enabled

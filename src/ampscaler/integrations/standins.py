@@ -2,7 +2,8 @@
 (:func:`~ampscaler.patch_torch`).
 
 Each one takes its torch class's arguments, with its torch class's defaults (bound to the
-installed torch's own signature, so a wrong call fails with torch's ``TypeError``), fills in
+installed torch's own signature, so a wrong call fails with torch's ``TypeError``, and
+``inspect.signature`` of a stand-in gives that signature), fills in
 what the call left out from the settings in force, and builds ampscaler's scaler:
 
 ==============================================  ==================================  ==========
@@ -68,6 +69,18 @@ class _StandsIn(type):
 
     def __subclasscheck__(cls, subclass: type) -> bool:
         return type.__subclasscheck__(cls, subclass) or issubclass(subclass, _accepted(cls))
+
+    @property
+    def __signature__(cls) -> inspect.Signature | None:
+        """What ``inspect.signature`` gives for a stand-in itself: its torch class's (code that
+        reads it while patched, such as fastai's ``@delegates(GradScaler)`` at import, sees
+        torch's arguments, not ``*args, **kwargs``); ``None`` for a class derived from one,
+        whose own ``__init__`` then tells."""
+        if "_torch_class" in cls.__dict__:
+            return inspect.signature(cls.__dict__["_torch_class"])
+        if cls.__dict__.get("_torch_name") == _SHARDED:
+            return inspect.signature(_torch_sharded())
+        return None
 
 
 def _accepted(cls: type) -> tuple[type, ...]:
@@ -163,6 +176,7 @@ class TorchGradScaler(GradScaler, metaclass=_StandsIn):
     defaults to ``"cuda"``, as in torch) and the settings of :func:`~ampscaler.patch_torch`."""
 
     _also_accepts: ClassVar[tuple[type, ...]] = (GradScaler, _TorchAmp)
+    _torch_class: ClassVar[type] = _TorchAmp  # whose signature it shows
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _build(self, _TorchAmp, args, kwargs, GradScaler.__init__)
@@ -191,6 +205,7 @@ class TorchCudaGradScaler(TorchGradScaler):
     warning): ``torch.amp.GradScaler("cuda", ...)``."""
 
     _also_accepts: ClassVar[tuple[type, ...]] = (_TorchCuda,)
+    _torch_class: ClassVar[type] = _TorchCuda  # whose signature it shows
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _deprecated("cuda")
@@ -202,6 +217,7 @@ class TorchCpuGradScaler(TorchGradScaler):
     warning): ``torch.amp.GradScaler("cpu", ...)``."""
 
     _also_accepts: ClassVar[tuple[type, ...]] = (_TorchCpu,)
+    _torch_class: ClassVar[type] = _TorchCpu  # whose signature it shows
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _deprecated("cpu")
