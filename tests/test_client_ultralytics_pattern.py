@@ -18,13 +18,14 @@ re-creates, in its own words, what ``ultralytics/engine/trainer.py`` (8.4) does 
   ``if ckpt.get("scaler"): scaler.load_state_dict(ckpt["scaler"])`` (a disabled scaler's ``{}``
   is skipped), then the EMA, and zeroes the gradients before training.
 
-Known divergences, not fixed here (see the strict xfail below): ampscaler keeps each loss given
-to ``scale()`` until ``update()``, graph included, so after a backward that fails (the trainer
-catches CUDA out-of-memory errors in ``scale(loss).backward()``, drops the loss and retries at
-half the batch) the failed batch's activations stay alive through the retry; and its
-``load_state_dict()`` refuses to load after ``scale()`` and before ``update()``, which the
-trainer's NaN recovery does when an epoch ends inside an accumulation (it zeroes the gradients
-right after), a documented stricter check (docs/migration.md).
+After a backward that fails (the trainer catches CUDA out-of-memory errors in
+``scale(loss).backward()``, drops the loss and retries at half the batch) the scaler holds
+nothing of the failed batch: each loss given to ``scale()`` is kept detached.
+
+A known divergence, not changed here: ampscaler's ``load_state_dict()`` refuses to load after
+``scale()`` and before ``update()``, which the trainer's NaN recovery does when an epoch ends
+inside an accumulation (it zeroes the gradients right after), a documented stricter check
+(docs/migration.md).
 """
 
 from __future__ import annotations
@@ -223,14 +224,9 @@ def test_an_amp_checkpoint_resumed_with_amp_off_is_ignored_as_by_torch() -> None
         assert (off.is_enabled(), off.get_scale(), off.state_dict()) == (False, 1.0, {})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ampscaler keeps the loss given to scale(), graph included, until update(): a "
-    "batch whose backward failed (ultralytics retries a CUDA OOM at half the batch) keeps its "
-    "activations alive through the retry; keeping it detached costs an op per scale(), over "
-    "the dispatch-count table's bound for a fused optimizer",
-)
 def test_a_failed_backward_leaves_no_activations_held_by_the_scaler() -> None:
+    """ultralytics retries a CUDA out-of-memory error at half the batch: the failed batch's
+    activations must not outlive the loss the trainer dropped (torch's scaler holds none)."""
     alive = {}
     for factory in (torch.amp.GradScaler, ampscaler.GradScaler):
         model = small_detector()
