@@ -72,6 +72,14 @@ in force, over torch's names) gets it called where torch calls it:
   ampscaler's decision as a float32 flag (1.0: skip), and its return is ``step()``'s. The
   scaler's own records (``last_step_skipped``, ``metrics()``, the update) follow that flag.
 
+An override of ``_unscale_grads_`` decides about float16 gradients, as in torch (whose
+``unscale_()`` leaves the refusal to ``_unscale_grads_``): fairscale's ``GradScaler`` passes
+``allow_fp16=True`` to ``super()`` for its sharded models' float16 gradients, and they are
+checked. Code may also assign one of the three to one scaler instead (kohya-ss's sd-scripts,
+for float16 weights: ``original = scaler._unscale_grads_``, then ``scaler._unscale_grads_ =`` a
+function that calls ``original`` with ``allow_fp16=True``): torch's scaler calls ``self``'s, so
+the assigned function; ampscaler's scaler then calls it where it calls a subclass's override.
+
 The other methods torch's scaler calls on ``self`` (``_check_scale_growth_tracker``,
 ``_check_inf_per_device``, ``_get_scale_async``, ``_get_growth_tracker``) ampscaler's methods do
 not call: overriding one warns when the class is made, as the override would change only what
@@ -80,6 +88,7 @@ code calling it gets.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast
@@ -357,6 +366,14 @@ class TorchPrivateNames:
             return None
         return optimizer.step(*args, **kwargs)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As ``object``'s; assigning ``unscale_``, ``_unscale_grads_`` or ``_maybe_opt_step``
+        to this scaler routes its calls through the function assigned, as a subclass's
+        override is routed (module docstring)."""
+        object.__setattr__(self, name, value)
+        if name in _ROUTES:
+            _route(self, name)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Route the scaler's calls through torch's methods that ``cls`` overrides (itself, or
         through a mixin), and warn of an override that nothing of the scaler calls, once, at
@@ -376,12 +393,10 @@ class TorchPrivateNames:
         # unscale_ is the scaler's own (public): overridden below the class that defines it
         home = next((c for c in reversed(cls.__mro__) if "_unscale_in_step" in vars(c)), cls)
         if _overridden("unscale_", since=home):
-            cls._unscale_in_step = _through_unscale_  # type: ignore[attr-defined]
-            cls._reads_early = False  # type: ignore[attr-defined]
-        if _overridden("_unscale_grads_"):
-            cls._unscale_and_check = _through_unscale_grads  # type: ignore[attr-defined]
-        if _overridden("_maybe_opt_step"):
-            cls._step_optimizer = _through_maybe_opt_step  # type: ignore[attr-defined]
+            _route(cls, "unscale_")
+        for name in ("_unscale_grads_", "_maybe_opt_step"):
+            if _overridden(name):
+                _route(cls, name)
         for name in NOT_CALLED:
             if _overridden(name, since=parent):
                 warn_at_caller(
@@ -443,3 +458,22 @@ def _through_maybe_opt_step(
     flag = torch.full((), float(skipped), dtype=torch.float32, device=device)
     state = {"stage": TorchOptState.UNSCALED, "found_inf_per_device": {device: flag}}
     return scaler._maybe_opt_step(record.optimizer, state, *args, **kwargs)
+
+
+#: For each of torch's methods that torch's scaler calls on ``self`` and a subclass overrides
+#: (or code assigns to one scaler): the scaler's attributes that make its calls go through it.
+_ROUTES: dict[str, dict[str, Any]] = {
+    "unscale_": {"_unscale_in_step": _through_unscale_, "_reads_early": False},
+    "_unscale_grads_": {"_unscale_and_check": _through_unscale_grads, "_fp16_to_override": True},
+    "_maybe_opt_step": {"_step_optimizer": _through_maybe_opt_step},
+}
+
+
+def _route(target: Any, name: str) -> None:
+    """Have ``target`` (a class that overrides torch's method ``name``, or a scaler it was
+    assigned to) call ``name`` where torch's scaler calls it: set the attributes of
+    ``_ROUTES[name]`` on it (on a scaler, a function bound to it)."""
+    for attribute, value in _ROUTES[name].items():
+        if callable(value) and not isinstance(target, type):
+            value = functools.partial(value, target)
+        setattr(target, attribute, value)
