@@ -33,6 +33,13 @@ __all__ = [
 #: torch's (and ampscaler's) default ``init_scale``.
 DEFAULT_INIT_SCALE = 2.0**16
 
+#: torch's warning when its scaler for ``"cuda"`` finds no CUDA, word for word: programs
+#: silence it by this text (``warnings.filterwarnings("ignore", message=...)``), so
+#: ampscaler's, for torch's names under ``patch_torch()`` and its own, begins with it.
+TORCH_NO_CUDA_WARNING = (
+    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
+)
+
 #: The constructor options ampscaler 0.1.0 took and 0.2.0 removed, with what replaces each.
 REMOVED_OPTIONS = {
     "history_size": "scaler.attach(ampscaler.StepHistory(N))",
@@ -123,8 +130,9 @@ def _device_type(device: object) -> str | None:
 def device_and_enabled(device: object, enabled: object) -> tuple[str | None, bool]:
     """The device type (``None``: the first scaled tensor's) and whether the scaler is on.
 
-    Like torch, ``"cuda"`` on a machine without CUDA warns and disables the scaler, and
-    ``enabled`` takes any truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
+    Like torch, ``"cuda"`` on a machine without CUDA warns and disables the scaler (the
+    warning begins with torch's words, which programs filter it by), and ``enabled`` takes any
+    truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
 
     Raises:
         InvalidConfigError: ``device`` is not a device.
@@ -133,8 +141,8 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     device_type = _device_type(device)
     if enabled and device_type == "cuda" and not torch.cuda.is_available():
         warnings.warn(
-            "ampscaler.GradScaler is enabled for 'cuda', but CUDA is not available. Disabling "
-            "(as torch.amp.GradScaler does); pass device='cpu' or None to scale on the CPU.",
+            f"{TORCH_NO_CUDA_WARNING} (ampscaler.GradScaler for 'cuda', warning in torch's "
+            "words; pass device='cpu' or None to scale on the CPU.)",
             stacklevel=3,
         )
         return device_type, False
