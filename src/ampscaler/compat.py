@@ -25,14 +25,17 @@ values and effects torch gives them, from the scaler's own parts: its state
   unscaled). The flag is the optimizer's combined flag, on the scale's device: the tensor
   itself, so that writes into it count (an ``unscale_()`` override agreeing on it across ranks;
   an ``update()`` copied from torch's adds the flags into the first), while what a fused
-  optimizer's step decided stays as it was (``step_skipped()``). An entry is
-  read-only: writing to it (an ``unscale_()`` copied from torch's sharded scaler writes
-  ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError`` that says to call
-  ``super().unscale_()`` and change the flags in place instead. Assigning it a fresh, empty
-  mapping (how torch's ``update()`` ends an iteration, and so code that copies that
-  ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's sharded
-  scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state as that
-  code left it, and drops one that stepped nothing; another value raises ``AttributeError``.
+  optimizer's step decided stays as it was (``step_skipped()``). An entry is read from the
+  iteration it was taken in at each read, as torch's is the dict its ``unscale_()`` and
+  ``step()`` write into: taken before them (a SAM step takes it, then unscales), it shows what
+  they did. An entry is read-only: writing to it (an ``unscale_()`` copied from torch's
+  sharded scaler writes ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError``
+  that says to call ``super().unscale_()`` and change the flags in place instead. Assigning
+  it a fresh, empty mapping (how torch's ``update()`` ends an iteration, and so code that
+  copies that ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's
+  sharded scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state
+  as that code left it, and drops one that stepped nothing; another value raises
+  ``AttributeError``.
 - ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
 - ``_check_inf_per_device(optimizer)``: checks without unscaling and records the flag, as
   torch's deprecated ``grad_scaler=`` step protocol uses it.
@@ -123,28 +126,39 @@ _N = TypeVar("_N", float, int)
 
 
 class _OptimizerEntry(Mapping[str, Any]):
-    """One optimizer's entry of ``_per_optimizer_states``, read from the iteration: ``stage``
-    and ``found_inf_per_device``. Read-only: a write would change nothing, so code that writes
-    there (an ``unscale_()`` copied from torch's sharded scaler) is told what to do instead."""
+    """One optimizer's entry of ``_per_optimizer_states``: ``stage`` and
+    ``found_inf_per_device``, read from its record in the iteration the entry was taken in, at
+    each read. torch's entry is the dict its ``unscale_()`` and ``step()`` write into, so code
+    that takes it first and reads it after them (a SAM step) sees what they did, and one
+    taken in an earlier iteration shows how that one ended. Read-only: a write would change
+    nothing, so code that writes there (an ``unscale_()`` copied from torch's sharded scaler)
+    is told what to do instead."""
 
-    def __init__(
-        self,
-        stage: TorchOptState = TorchOptState.READY,
-        found_inf_per_device: dict[torch.device, torch.Tensor] | None = None,
-    ) -> None:
-        self._values = {"stage": stage, "found_inf_per_device": found_inf_per_device or {}}
+    def __init__(self, iteration: Iteration | None = None, key: int = 0) -> None:
+        self._iteration, self._key = iteration, key
+
+    def _values(self) -> dict[str, Any]:
+        iteration = self._iteration
+        record = None if iteration is None else iteration.records.get(self._key)
+        if record is None:
+            return {"stage": TorchOptState.READY, "found_inf_per_device": {}}
+        found = record.found_inf
+        if record.outcome is not None:  # stepped: code of its own may now write the flag
+            record.outcome.keep_own_flag(found)  # in place (torch's update() adds them so)
+        flags = {} if found is None else {found.device: found}
+        return {"stage": TorchOptState[record.stage.name], "found_inf_per_device": flags}
 
     def __getitem__(self, key: str) -> Any:
-        return self._values[key]
+        return self._values()[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
+        return iter(("stage", "found_inf_per_device"))
 
     def __len__(self) -> int:
-        return len(self._values)
+        return 2
 
     def __repr__(self) -> str:
-        return repr(self._values)
+        return repr(self._values())
 
     def __setitem__(self, key: str, value: object) -> NoReturn:
         raise TypeError(
@@ -155,6 +169,22 @@ class _OptimizerEntry(Mapping[str, Any]):
             ".values(): dist.all_reduce(flag, group=...)), or pass process_group= and let the "
             "scaler agree across ranks."
         )
+
+
+class _Entries(defaultdict[int, _OptimizerEntry]):
+    """``_per_optimizer_states``: the entries of the optimizers the iteration has seen, and, as
+    torch's ``defaultdict``, one made on reading any other key (it then shows what the
+    iteration does with that optimizer)."""
+
+    def __init__(self, iteration: Iteration) -> None:
+        super().__init__()
+        self._iteration = iteration
+        for key in iteration.records:
+            self[key] = _OptimizerEntry(iteration, key)
+
+    def __missing__(self, key: int) -> _OptimizerEntry:
+        entry = self[key] = _OptimizerEntry(self._iteration, key)
+        return entry
 
 
 class _RuleNumber(Generic[_N]):
@@ -280,14 +310,7 @@ class TorchPrivateNames:
 
     @property
     def _per_optimizer_states(self) -> defaultdict[int, _OptimizerEntry]:
-        states: defaultdict[int, _OptimizerEntry] = defaultdict(_OptimizerEntry)
-        for key, record in self._iteration.records.items():
-            found = record.found_inf
-            if record.outcome is not None:  # stepped: code of its own may now write the flag
-                record.outcome.keep_own_flag(found)  # in place (torch's update() adds them so)
-            stage = TorchOptState[record.stage.name]
-            states[key] = _OptimizerEntry(stage, None if found is None else {found.device: found})
-        return states
+        return _Entries(self._iteration)
 
     @_per_optimizer_states.setter
     def _per_optimizer_states(self, value: object) -> None:
