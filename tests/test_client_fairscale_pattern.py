@@ -11,12 +11,13 @@ fairscale is not installed here (its last release pins old torch). Read in its s
   ``self._growth_tracker = 0`` (an int) after an overflow, ``successful =
   self._growth_tracker + 1`` and ``self._scale *= growth_factor`` at the interval; it adds the
   optimizers' flags into the first one in place and ends by assigning
-  ``_per_optimizer_states`` a fresh ``defaultdict``. (Its ``unscale_()`` writes the
-  per-optimizer entries, which ampscaler refuses with a message, tested in
-  ``test_subclass_hooks``; its ``step()`` is torch's.)
+  ``_per_optimizer_states`` a fresh ``defaultdict`` (here torch's factory: fairscale's own
+  fills in its own ``OptState``, which only its copy of torch's ``step()`` understands). Its
+  ``unscale_()`` writes the per-optimizer entries, which ampscaler refuses with a message
+  (``test_subclass_hooks``).
 
-Each is run over ampscaler's scaler, subclassed directly and defined over torch's name while
-``patch_torch()`` is in force (as when fairscale is imported after the patch), and compared
+Each is run over ampscaler's scaler (the first also defined over torch's name while
+``patch_torch()`` is in force, as when fairscale is imported after the patch) and compared
 with the same class over torch's scaler: scales, parameters and what ``step()`` returned.
 """
 
