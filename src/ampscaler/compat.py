@@ -78,10 +78,13 @@ in force, over torch's names) gets it called where torch calls it:
 An override of ``_unscale_grads_`` decides about float16 gradients, as in torch (whose
 ``unscale_()`` leaves the refusal to ``_unscale_grads_``): fairscale's ``GradScaler`` passes
 ``allow_fp16=True`` to ``super()`` for its sharded models' float16 gradients, and they are
-checked. Code may also assign one of the three to one scaler instead (kohya-ss's sd-scripts,
-for float16 weights: ``original = scaler._unscale_grads_``, then ``scaler._unscale_grads_ =`` a
-function that calls ``original`` with ``allow_fp16=True``): torch's scaler calls ``self``'s, so
-the assigned function; ampscaler's scaler then calls it where it calls a subclass's override.
+checked. Code may also assign ``_unscale_grads_`` or ``_maybe_opt_step`` to one scaler
+instead (kohya-ss's sd-scripts, for float16 weights: ``original = scaler._unscale_grads_``,
+then ``scaler._unscale_grads_ =`` a function that calls ``original`` with
+``allow_fp16=True``): torch's scaler calls ``self``'s, so the assigned function; ampscaler's
+scaler then calls it where it calls a subclass's override. (An ``unscale_`` assigned to one
+scaler is called by code that calls ``scaler.unscale_()``, not by ``step()``, where torch's
+calls it: override it in a subclass for that.)
 
 The other methods torch's scaler calls on ``self`` (``_check_scale_growth_tracker``,
 ``_check_inf_per_device``, ``_get_scale_async``, ``_get_growth_tracker``) ampscaler's methods do
@@ -202,6 +205,31 @@ class _RuleNumber(Generic[_N]):
 
     def __set__(self, scaler: TorchPrivateNames, value: _N) -> None:
         scaler._state.change_rule(f"_{self._field}", **{self._field: value})
+
+
+class _Assignable:
+    """A method of torch's that torch's scaler calls on ``self`` (``_unscale_grads_``,
+    ``_maybe_opt_step``), which code may assign to one scaler rather than override in a subclass
+    (kohya-ss's sd-scripts: ``scaler._unscale_grads_ = ...``). Read on a scaler, the function
+    assigned to it, else the method; assigned, it has that scaler's calls go through the
+    function, as a subclass's override has (module docstring)."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = method
+        self.__doc__ = method.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, scaler: TorchPrivateNames | None, owner: type) -> Any:
+        if scaler is None:  # on the class: the method (help(), a subclass's override check)
+            return self._method
+        assigned = scaler.__dict__.get(self._name)
+        return self._method.__get__(scaler, owner) if assigned is None else assigned
+
+    def __set__(self, scaler: TorchPrivateNames, function: object) -> None:
+        scaler.__dict__[self._name] = function
+        _route(scaler, self._name)
 
 
 class _StartValue:
@@ -333,6 +361,7 @@ class TorchPrivateNames:
         ]
         return found
 
+    @_Assignable
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -352,7 +381,9 @@ class TorchPrivateNames:
                 "scaler.scale(loss).backward() first."
             )
         ones = torch.ones((), dtype=torch.float32, device=live.device)
-        flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
+        flags: dict[torch.device, Any] = self._unscale_grads_(
+            optimizer, ones, torch.zeros_like(ones), True
+        )
         record = self._iteration.record(optimizer, "_check_inf_per_device")
         record.found_inf = combined_flag(flags, live.device)
         return flags
@@ -374,6 +405,7 @@ class TorchPrivateNames:
             iteration.start_scale = live.scale.double()
         return live.scale, live.growth_tracker
 
+    @_Assignable
     def _maybe_opt_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -388,14 +420,6 @@ class TorchPrivateNames:
         if sum(flag.item() for flag in flags):
             return None
         return optimizer.step(*args, **kwargs)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """As ``object``'s; assigning ``unscale_``, ``_unscale_grads_`` or ``_maybe_opt_step``
-        to this scaler routes its calls through the function assigned, as a subclass's
-        override is routed (module docstring)."""
-        object.__setattr__(self, name, value)
-        if name in _ROUTES:
-            _route(self, name)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Route the scaler's calls through torch's methods that ``cls`` overrides (itself, or
