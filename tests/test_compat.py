@@ -51,6 +51,27 @@ def test_per_optimizer_states_after_unscale_and_step(poison: bool) -> None:
     assert seen[0] == seen[1]
 
 
+@pytest.mark.parametrize("poison", [False, True])
+def test_an_entry_taken_before_unscale_shows_what_unscale_and_step_did(poison: bool) -> None:
+    """torch's entry is the dict its unscale_() and step() write into: code that takes it
+    first (a SAM hook: the entry, then unscale_(), then its flags decide the first step) reads
+    the flags unscale_() found, and an entry taken in an iteration keeps that iteration's end."""
+    seen = []
+    for factory in BOTH:
+        model, opt = _model_and_opt()
+        scaler = factory("cpu")
+        _backward(scaler, model, poison)
+        entry = scaler._per_optimizer_states[id(opt)]
+        scaler.unscale_(opt)
+        flags = {d.type: float(f) for d, f in entry["found_inf_per_device"].items()}
+        unscaled = (entry["stage"].name, flags)
+        scaler.step(opt)
+        stepped = entry["stage"].name
+        scaler.update()
+        seen.append((unscaled, stepped, entry["stage"].name, len(entry["found_inf_per_device"])))
+    assert seen[0] == seen[1] == (("UNSCALED", {"cpu": float(poison)}), "STEPPED", "STEPPED", 1)
+
+
 def test_unscale_grads_gives_torchs_flags_and_gradients() -> None:
     results = []
     for factory in BOTH:

@@ -568,3 +568,37 @@ def test_an_update_of_ones_own_is_held_at_the_floor() -> None:
             after.append(first + _train(scaler, steps=1, inf_at=0)[1])  # and one more
     assert after[0] == [2.0**-126, 2.0**-126, 2.0**-127]  # torch's
     assert after[1] == [2.0**-126, 2.0**-126, 2.0**-126]  # ampscaler's: held at the floor
+
+
+# ---------------------------------------------------------------------- assigned to one scaler
+
+
+def _assign_logging(scaler: Any, name: str) -> Any:
+    """Assign ``name`` to ``scaler`` as code does to one scaler (kohya-ss's sd-scripts assign
+    ``_unscale_grads_``): the function assigned logs its call and calls the method it
+    replaces. Returns ``scaler``."""
+    original = getattr(scaler, name)
+    scaler.log = []
+
+    def assigned(*args: Any) -> Any:
+        scaler.log.append((name, len(args)))
+        return original(*args)
+
+    setattr(scaler, name, assigned)
+    return scaler
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["SGD", "fused Adam"])
+@pytest.mark.parametrize("name", ["_unscale_grads_", "_maybe_opt_step"])
+def test_a_method_assigned_to_one_scaler_is_called_where_torch_calls_it(
+    name: str, fused: bool
+) -> None:
+    theirs = _assign_logging(torch.amp.GradScaler("cpu", init_scale=2.0**8), name)
+    ours = _assign_logging(ampscaler.GradScaler("cpu", init_scale=2.0**8), name)
+    _assert_same_training(_train(theirs, fused=fused), _train(ours, fused=fused))
+    assert ours.log == theirs.log
+    assert len(theirs.log) == (0 if fused and name == "_maybe_opt_step" else 4)
+    other = ampscaler.GradScaler("cpu", init_scale=2.0**8)  # the class is left as it was
+    other.log = []
+    _train(other, fused=fused)
+    assert other._unscale_and_check.__func__ is ampscaler.GradScaler._unscale_and_check

@@ -32,6 +32,13 @@ __all__ = [
 #: torch's (and ampscaler's) default ``init_scale``.
 DEFAULT_INIT_SCALE = 2.0**16
 
+#: torch's warning when its scaler for ``"cuda"`` finds no CUDA, word for word: programs
+#: silence it by this text (``warnings.filterwarnings("ignore", message=...)``), so
+#: ampscaler's, for torch's names under ``patch_torch()`` and its own, begins with it.
+TORCH_NO_CUDA_WARNING = (
+    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
+)
+
 #: The constructor options ampscaler 0.1.0 took and 0.2.0 removed, with what replaces each.
 REMOVED_OPTIONS = {
     "history_size": "scaler.attach(ampscaler.StepHistory(N))",
@@ -122,8 +129,9 @@ def _device_type(device: object) -> str | None:
 def device_and_enabled(device: object, enabled: object) -> tuple[str | None, bool]:
     """The device type (``None``: the first scaled tensor's) and whether the scaler is on.
 
-    Like torch, ``"cuda"`` on a machine without CUDA warns (torch's message, then ampscaler's
-    hint; pointing at the caller's line) and disables the scaler, and ``enabled`` takes any
+    Like torch, ``"cuda"`` on a machine without CUDA warns (torch's words first, which
+    programs filter it by, then ampscaler's hint; at the caller's line) and disables the
+    scaler, and ``enabled`` takes any
     truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
 
     Raises:
@@ -132,12 +140,9 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     enabled = bool(enabled)
     device_type = _device_type(device)
     if enabled and device_type == "cuda" and not torch.cuda.is_available():
-        # torch's words first: code silences torch's warning by its text
-        # (warnings.filterwarnings("ignore", message=...)), and under patch_torch this is it.
         warn_at_caller(
-            "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling. "
-            "(ampscaler.GradScaler, as torch's: pass device='cpu' or None to scale on the "
-            "CPU.)",
+            f"{TORCH_NO_CUDA_WARNING} (ampscaler.GradScaler, as torch's: pass device='cpu' "
+            "or None to scale on the CPU.)",
             UserWarning,
         )
         return device_type, False

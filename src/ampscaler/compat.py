@@ -25,14 +25,17 @@ values and effects torch gives them, from the scaler's own parts: its state
   unscaled). The flag is the optimizer's combined flag, on the scale's device: the tensor
   itself, so that writes into it count (an ``unscale_()`` override agreeing on it across ranks;
   an ``update()`` copied from torch's adds the flags into the first), while what a fused
-  optimizer's step decided stays as it was (``step_skipped()``). An entry is
-  read-only: writing to it (an ``unscale_()`` copied from torch's sharded scaler writes
-  ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError`` that says to call
-  ``super().unscale_()`` and change the flags in place instead. Assigning it a fresh, empty
-  mapping (how torch's ``update()`` ends an iteration, and so code that copies that
-  ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's sharded
-  scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state as that
-  code left it, and drops one that stepped nothing; another value raises ``AttributeError``.
+  optimizer's step decided stays as it was (``step_skipped()``). An entry is read from the
+  iteration it was taken in at each read, as torch's is the dict its ``unscale_()`` and
+  ``step()`` write into: taken before them (a SAM step takes it, then unscales), it shows what
+  they did. An entry is read-only: writing to it (an ``unscale_()`` copied from torch's
+  sharded scaler writes ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError``
+  that says to call ``super().unscale_()`` and change the flags in place instead. Assigning
+  it a fresh, empty mapping (how torch's ``update()`` ends an iteration, and so code that
+  copies that ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's
+  sharded scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state
+  as that code left it, and drops one that stepped nothing; another value raises
+  ``AttributeError``.
 - ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
 - ``_check_inf_per_device(optimizer)``: checks without unscaling and records the flag, as
   torch's deprecated ``grad_scaler=`` step protocol uses it.
@@ -72,6 +75,17 @@ in force, over torch's names) gets it called where torch calls it:
   ampscaler's decision as a float32 flag (1.0: skip), and its return is ``step()``'s. The
   scaler's own records (``last_step_skipped``, ``metrics()``, the update) follow that flag.
 
+An override of ``_unscale_grads_`` decides about float16 gradients, as in torch (whose
+``unscale_()`` leaves the refusal to ``_unscale_grads_``): fairscale's ``GradScaler`` passes
+``allow_fp16=True`` to ``super()`` for its sharded models' float16 gradients, and they are
+checked. Code may also assign ``_unscale_grads_`` or ``_maybe_opt_step`` to one scaler
+instead (kohya-ss's sd-scripts, for float16 weights: ``original = scaler._unscale_grads_``,
+then ``scaler._unscale_grads_ =`` a function that calls ``original`` with
+``allow_fp16=True``): torch's scaler calls ``self``'s, so the assigned function; ampscaler's
+scaler then calls it where it calls a subclass's override. (An ``unscale_`` assigned to one
+scaler is called by code that calls ``scaler.unscale_()``, not by ``step()``, where torch's
+calls it: override it in a subclass for that.)
+
 The other methods torch's scaler calls on ``self`` (``_check_scale_growth_tracker``,
 ``_check_inf_per_device``, ``_get_scale_async``, ``_get_growth_tracker``) ampscaler's methods do
 not call: overriding one warns when the class is made, as the override would change only what
@@ -80,6 +94,7 @@ code calling it gets.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast
@@ -114,28 +129,39 @@ _N = TypeVar("_N", float, int)
 
 
 class _OptimizerEntry(Mapping[str, Any]):
-    """One optimizer's entry of ``_per_optimizer_states``, read from the iteration: ``stage``
-    and ``found_inf_per_device``. Read-only: a write would change nothing, so code that writes
-    there (an ``unscale_()`` copied from torch's sharded scaler) is told what to do instead."""
+    """One optimizer's entry of ``_per_optimizer_states``: ``stage`` and
+    ``found_inf_per_device``, read from its record in the iteration the entry was taken in, at
+    each read. torch's entry is the dict its ``unscale_()`` and ``step()`` write into, so code
+    that takes it first and reads it after them (a SAM step) sees what they did, and one
+    taken in an earlier iteration shows how that one ended. Read-only: a write would change
+    nothing, so code that writes there (an ``unscale_()`` copied from torch's sharded scaler)
+    is told what to do instead."""
 
-    def __init__(
-        self,
-        stage: TorchOptState = TorchOptState.READY,
-        found_inf_per_device: dict[torch.device, torch.Tensor] | None = None,
-    ) -> None:
-        self._values = {"stage": stage, "found_inf_per_device": found_inf_per_device or {}}
+    def __init__(self, iteration: Iteration | None = None, key: int = 0) -> None:
+        self._iteration, self._key = iteration, key
+
+    def _values(self) -> dict[str, Any]:
+        iteration = self._iteration
+        record = None if iteration is None else iteration.records.get(self._key)
+        if record is None:
+            return {"stage": TorchOptState.READY, "found_inf_per_device": {}}
+        found = record.found_inf
+        if record.outcome is not None:  # stepped: code of its own may now write the flag
+            record.outcome.keep_own_flag(found)  # in place (torch's update() adds them so)
+        flags = {} if found is None else {found.device: found}
+        return {"stage": TorchOptState[record.stage.name], "found_inf_per_device": flags}
 
     def __getitem__(self, key: str) -> Any:
-        return self._values[key]
+        return self._values()[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
+        return iter(("stage", "found_inf_per_device"))
 
     def __len__(self) -> int:
-        return len(self._values)
+        return 2
 
     def __repr__(self) -> str:
-        return repr(self._values)
+        return repr(self._values())
 
     def __setitem__(self, key: str, value: object) -> NoReturn:
         raise TypeError(
@@ -146,6 +172,22 @@ class _OptimizerEntry(Mapping[str, Any]):
             ".values(): dist.all_reduce(flag, group=...)), or pass process_group= and let the "
             "scaler agree across ranks."
         )
+
+
+class _Entries(defaultdict[int, _OptimizerEntry]):
+    """``_per_optimizer_states``: the entries of the optimizers the iteration has seen, and, as
+    torch's ``defaultdict``, one made on reading any other key (it then shows what the
+    iteration does with that optimizer)."""
+
+    def __init__(self, iteration: Iteration) -> None:
+        super().__init__()
+        self._iteration = iteration
+        for key in iteration.records:
+            self[key] = _OptimizerEntry(iteration, key)
+
+    def __missing__(self, key: int) -> _OptimizerEntry:
+        entry = self[key] = _OptimizerEntry(self._iteration, key)
+        return entry
 
 
 class _RuleNumber(Generic[_N]):
@@ -163,6 +205,31 @@ class _RuleNumber(Generic[_N]):
 
     def __set__(self, scaler: TorchPrivateNames, value: _N) -> None:
         scaler._state.change_rule(f"_{self._field}", **{self._field: value})
+
+
+class _Assignable:
+    """A method of torch's that torch's scaler calls on ``self`` (``_unscale_grads_``,
+    ``_maybe_opt_step``), which code may assign to one scaler rather than override in a subclass
+    (kohya-ss's sd-scripts: ``scaler._unscale_grads_ = ...``). Read on a scaler, the function
+    assigned to it, else the method; assigned, it has that scaler's calls go through the
+    function, as a subclass's override has (module docstring)."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = method
+        self.__doc__ = method.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, scaler: TorchPrivateNames | None, owner: type) -> Any:
+        if scaler is None:  # on the class: the method (help(), a subclass's override check)
+            return self._method
+        assigned = scaler.__dict__.get(self._name)
+        return self._method.__get__(scaler, owner) if assigned is None else assigned
+
+    def __set__(self, scaler: TorchPrivateNames, function: object) -> None:
+        scaler.__dict__[self._name] = function
+        _route(scaler, self._name)
 
 
 class _StartValue:
@@ -271,14 +338,7 @@ class TorchPrivateNames:
 
     @property
     def _per_optimizer_states(self) -> defaultdict[int, _OptimizerEntry]:
-        states: defaultdict[int, _OptimizerEntry] = defaultdict(_OptimizerEntry)
-        for key, record in self._iteration.records.items():
-            found = record.found_inf
-            if record.outcome is not None:  # stepped: code of its own may now write the flag
-                record.outcome.keep_own_flag(found)  # in place (torch's update() adds them so)
-            stage = TorchOptState[record.stage.name]
-            states[key] = _OptimizerEntry(stage, None if found is None else {found.device: found})
-        return states
+        return _Entries(self._iteration)
 
     @_per_optimizer_states.setter
     def _per_optimizer_states(self, value: object) -> None:
@@ -301,6 +361,7 @@ class TorchPrivateNames:
         ]
         return found
 
+    @_Assignable
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -320,7 +381,9 @@ class TorchPrivateNames:
                 "scaler.scale(loss).backward() first."
             )
         ones = torch.ones((), dtype=torch.float32, device=live.device)
-        flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
+        flags: dict[torch.device, Any] = self._unscale_grads_(
+            optimizer, ones, torch.zeros_like(ones), True
+        )
         record = self._iteration.record(optimizer, "_check_inf_per_device")
         record.found_inf = combined_flag(flags, live.device)
         return flags
@@ -342,6 +405,7 @@ class TorchPrivateNames:
             iteration.start_scale = live.scale.double()
         return live.scale, live.growth_tracker
 
+    @_Assignable
     def _maybe_opt_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -376,12 +440,10 @@ class TorchPrivateNames:
         # unscale_ is the scaler's own (public): overridden below the class that defines it
         home = next((c for c in reversed(cls.__mro__) if "_unscale_in_step" in vars(c)), cls)
         if _overridden("unscale_", since=home):
-            cls._unscale_in_step = _through_unscale_  # type: ignore[attr-defined]
-            cls._reads_early = False  # type: ignore[attr-defined]
-        if _overridden("_unscale_grads_"):
-            cls._unscale_and_check = _through_unscale_grads  # type: ignore[attr-defined]
-        if _overridden("_maybe_opt_step"):
-            cls._step_optimizer = _through_maybe_opt_step  # type: ignore[attr-defined]
+            _route(cls, "unscale_")
+        for name in ("_unscale_grads_", "_maybe_opt_step"):
+            if _overridden(name):
+                _route(cls, name)
         for name in NOT_CALLED:
             if _overridden(name, since=parent):
                 warn_at_caller(
@@ -443,3 +505,22 @@ def _through_maybe_opt_step(
     flag = torch.full((), float(skipped), dtype=torch.float32, device=device)
     state = {"stage": TorchOptState.UNSCALED, "found_inf_per_device": {device: flag}}
     return scaler._maybe_opt_step(record.optimizer, state, *args, **kwargs)
+
+
+#: For each of torch's methods that torch's scaler calls on ``self`` and a subclass overrides
+#: (or code assigns to one scaler): the scaler's attributes that make its calls go through it.
+_ROUTES: dict[str, dict[str, Any]] = {
+    "unscale_": {"_unscale_in_step": _through_unscale_, "_reads_early": False},
+    "_unscale_grads_": {"_unscale_and_check": _through_unscale_grads, "_fp16_to_override": True},
+    "_maybe_opt_step": {"_step_optimizer": _through_maybe_opt_step},
+}
+
+
+def _route(target: Any, name: str) -> None:
+    """Have ``target`` (a class that overrides torch's method ``name``, or a scaler it was
+    assigned to) call ``name`` where torch's scaler calls it: set the attributes of
+    ``_ROUTES[name]`` on it (on a scaler, a function bound to it)."""
+    for attribute, value in _ROUTES[name].items():
+        if callable(value) and not isinstance(target, type):
+            value = functools.partial(value, target)
+        setattr(target, attribute, value)

@@ -356,6 +356,10 @@ class GradScaler(TorchPrivateNames):
     #: Whether :meth:`unscale_` accepts float16 gradients (torch's sharded scaler does; a
     #: subclass sets it, see :class:`~ampscaler.ShardedGradScaler`).
     _unscale_allows_fp16: bool = False
+    #: Whether float16 gradients are collected for ``_unscale_grads_`` to refuse or not (an
+    #: override of it, or one assigned to the scaler, is handed torch's ``allow_fp16`` and
+    #: decides, as in torch; see :mod:`ampscaler.compat`).
+    _fp16_to_override: bool = False
     #: Whether an optimizer with gradients on no rank of ``process_group`` is refused, as
     #: torch's ``GradScaler`` refuses one without gradients (torch's sharded scaler steps it as
     #: clean; :class:`~ampscaler.ShardedGradScaler` sets it ``False``).
@@ -547,7 +551,9 @@ class GradScaler(TorchPrivateNames):
         for hook in self._hooks.before_check:
             hook.before_check(record, live.scale)
         local = self._agreement.local_shards
-        groups = self._gather(optimizer, allow_fp16=allow_fp16, local=local)
+        groups = self._gather(
+            optimizer, allow_fp16=allow_fp16 or self._fp16_to_override, local=local
+        )
         # Under torch.compile the flags are not read: a guard on them would recompile.
         if not torch.compiler.is_compiling() and self._bf16.active:
             self._bf16.look_at_gradients({dtype for per in groups.values() for dtype in per})

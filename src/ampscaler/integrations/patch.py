@@ -8,7 +8,8 @@ torch's defaults and the settings given (:mod:`ampscaler.integrations.patch_sett
 :func:`unpatch_torch` puts torch's objects back. The names replaced, where the installed torch
 has them:
 
-- ``torch.amp.GradScaler``, ``torch.amp.grad_scaler.GradScaler``;
+- ``torch.amp.GradScaler``, ``torch.amp.grad_scaler.GradScaler``, and ``torch.GradScaler``, the
+  same class at torch's top level (SpeechBrain's ``Brain`` builds its scaler so);
 - ``torch.cuda.amp.GradScaler``, ``torch.cuda.amp.grad_scaler.GradScaler`` (deprecated);
 - ``torch.cpu.amp.GradScaler``, ``torch.cpu.amp.grad_scaler.GradScaler`` (deprecated);
 - ``torch.distributed.fsdp.ShardedGradScaler`` (older torch) and
@@ -59,6 +60,7 @@ __all__ = ["ENV_VAR", "TorchPatch", "patch_torch", "setup_hook", "unpatch_torch"
 ENV_VAR = "AMPSCALER_PATCH"
 
 _NAMES: tuple[tuple[str, str, type], ...] = (
+    ("torch", "GradScaler", standins.TorchGradScaler),
     ("torch.amp", "GradScaler", standins.TorchGradScaler),
     ("torch.amp.grad_scaler", "GradScaler", standins.TorchGradScaler),
     ("torch.cuda.amp", "GradScaler", standins.TorchCudaGradScaler),

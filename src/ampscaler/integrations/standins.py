@@ -9,7 +9,7 @@ what the call left out from the settings in force, and builds ampscaler's scaler
 ==============================================  ==================================  ==========
 torch's name                                    stand-in                            device
 ==============================================  ==================================  ==========
-``torch.amp.GradScaler``                        :class:`TorchGradScaler`            ``"cuda"``
+``torch.amp.GradScaler``, ``torch.GradScaler``  :class:`TorchGradScaler`            ``"cuda"``
 ``torch.cuda.amp.GradScaler`` (deprecated)      :class:`TorchCudaGradScaler`        ``"cuda"``
 ``torch.cpu.amp.GradScaler`` (deprecated)       :class:`TorchCpuGradScaler`         ``"cpu"``
 ``...fsdp.sharded_grad_scaler.ShardedGradScaler``  :class:`TorchShardedGradScaler`  ``"cuda"``
