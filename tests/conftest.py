@@ -26,6 +26,15 @@ settings.load_profile("repeatable")
 # is found without a word.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+# Subprocesses (`python -m ampscaler`, the benchmarks, the examples, ranks) import this
+# checkout's code, as the tests do (pyproject's pythonpath), not whatever ampscaler an
+# environment has installed: a worktree tested from another checkout's virtual environment
+# would otherwise run the other checkout's code in them.
+_SRC = str(Path(__file__).resolve().parent.parent / "src")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_SRC, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _SRC)]
+)
+
 # The engines' rank workers import their engine at module level (once, before the ranks are
 # forked); where an engine is not installed, --doctest-modules must not import them (the engine
 # tests themselves skip, saying how to install it).
