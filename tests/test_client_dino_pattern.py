@@ -226,3 +226,59 @@ def test_dino_without_fp16_scaler_is_untouched() -> None:
     assert plain.scales == [] and plain.returns == []
     assert len(plain.params) == EPOCHS * BATCHES
     assert not torch.equal(plain.params[0][0], plain.params[-1][0])
+
+
+def train_like_dinov2(factory: Factory, clip_grad: float | None) -> Trace:
+    """DINOv2's step (``train/train.py``): ``fp16_scaler`` is FSDP's ``ShardedGradScaler()``;
+    ``zero_grad(set_to_none=True)``, ``scale(loss).backward()``, and when ``clip_grad``
+    ``unscale_()`` then a clip per student module; ``step()``, ``update()``. The last layer is
+    frozen through its parameter group's lr (0 for the first steps), not by dropping its
+    gradient. An inf in the last layer's gradient at step 2, a NaN loss at step 6."""
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU())
+    head = Head()
+    groups = [
+        {"params": list(backbone.parameters()) + list(head.mlp.parameters())},
+        {"params": list(head.last_layer.parameters()), "lr": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    fp16_scaler = factory("cpu", growth_interval=2)
+    data = torch.Generator().manual_seed(1)
+    trace = Trace()
+    for step in range(8):
+        optimizer.param_groups[1]["lr"] = 0.0 if step < 4 else 1e-2
+        images = torch.randn(8, 4, generator=data)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = head(backbone(images))
+        loss = out.float().logsumexp(-1).mean() * (float("nan") if step == 6 else 1.0)
+        optimizer.zero_grad(set_to_none=True)
+        fp16_scaler.scale(loss).backward()
+        if step == 2:
+            head.last_layer.weight.grad[0, 0] = float("inf")
+        if clip_grad is not None:
+            fp16_scaler.unscale_(optimizer)
+            for module in (backbone, head):
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad)
+        fp16_scaler.step(optimizer)
+        fp16_scaler.update()
+        trace.params.append([p.detach().clone() for m in (backbone, head) for p in m.parameters()])
+        trace.scales.append(fp16_scaler.get_scale())
+        trace.trackers.append(fp16_scaler._get_growth_tracker())
+    return trace
+
+
+@pytest.mark.parametrize("clip_grad", [0.3, None], ids=["clip", "no-clip"])
+def test_dinov2_sharded_scaler_step_matches_torch(clip_grad: float | None) -> None:
+    """ampscaler's ``ShardedGradScaler`` against torch's FSDP one, in a process group of one."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        theirs = train_like_dinov2(ShardedGradScaler, clip_grad)
+        ours = train_like_dinov2(ampscaler.ShardedGradScaler, clip_grad)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert_same_trace(ours, theirs)
+    assert ours.scales[2] < ours.scales[1] and ours.scales[6] < ours.scales[5]
