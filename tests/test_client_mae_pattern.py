@@ -228,3 +228,52 @@ def test_mae_under_patch_torch_matches_torch() -> None:
         assert isinstance(torch.amp.GradScaler("cpu"), ampscaler.GradScaler)
     assert_same_trace(ours, theirs)
     assert_same_norms(our_norms, their_norms)
+
+
+class HutchinsonStep(torch.optim.Optimizer):
+    """A second-order step as timm's AdaHessian takes it (DeiT passes ``create_graph=True`` for
+    it, ``is_second_order``): the Hessian's diagonal estimated from the gradients' own graph
+    (``torch.autograd.grad(grads, params, grad_outputs=z)``), read inside ``step()``, after the
+    scaler unscaled the gradients in place."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        probes = torch.Generator().manual_seed(0)
+        zs = [torch.randint(0, 2, p.shape, generator=probes).float() * 2 - 1 for p in params]
+        hz = torch.autograd.grad([p.grad for p in params], params, grad_outputs=zs)
+        with torch.no_grad():
+            for p, z, h in zip(params, zs, hz, strict=True):
+                p.sub_(self.param_groups[0]["lr"] * p.grad / ((z * h).abs() + 1e-3))
+
+
+def second_order_like_deit(factory: Factory) -> Trace:
+    """DeiT's ``loss_scaler(loss, optimizer, clip_grad=..., parameters=..., create_graph=True)``
+    with a Hessian-reading optimizer; an inf loss at step 3."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = HutchinsonStep(model.parameters())
+    loss_scaler = NormCountingLossScaler(factory)
+    data = torch.Generator().manual_seed(1)
+    trace = Trace()
+    for step in range(6):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(5, 4, generator=data))
+        loss = out.float().pow(2).mean() * (float("inf") if step == 3 else 1.0)
+        optimizer.zero_grad(set_to_none=True)
+        loss_scaler(
+            loss, optimizer, clip_grad=0.5, parameters=list(model.parameters()), create_graph=True
+        )
+        trace.params.append([p.detach().clone() for p in model.parameters()])
+        trace.scales.append(loss_scaler._scaler.get_scale())
+    return trace
+
+
+@pytest.mark.filterwarnings("ignore:.*create_graph=True.*reference cycle")
+def test_deit_second_order_step_reads_the_unscaled_gradients_graph_as_torch() -> None:
+    theirs = second_order_like_deit(torch.amp.GradScaler)
+    ours = second_order_like_deit(ampscaler.GradScaler)
+    assert_same_trace(ours, theirs)
+    assert ours.scales[3] < ours.scales[2]  # the inf loss was skipped
