@@ -137,12 +137,11 @@ class _OptimizerEntry(Mapping[str, Any]):
     nothing, so code that writes there (an ``unscale_()`` copied from torch's sharded scaler)
     is told what to do instead."""
 
-    def __init__(self, iteration: Iteration | None = None, key: int = 0) -> None:
+    def __init__(self, iteration: Iteration, key: int) -> None:
         self._iteration, self._key = iteration, key
 
     def _values(self) -> dict[str, Any]:
-        iteration = self._iteration
-        record = None if iteration is None else iteration.records.get(self._key)
+        record = self._iteration.records.get(self._key)
         if record is None:
             return {"stage": TorchOptState.READY, "found_inf_per_device": {}}
         found = record.found_inf
