@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import ampscaler
+from test_client_ultralytics_pattern import three_groups
 
 Factory = Callable[..., Any]
 EPOCHS, NB, BATCH, NBS, WARMUP = 3, 7, 4, 16, 12
@@ -56,23 +57,6 @@ def detector() -> torch.nn.Module:
     )  # fmt: skip
 
 
-def smart_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """yolov5's and ultralytics' three groups: biases, decayed weights, norm weights."""
-    biases, weights, norms = [], [], []
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if name == "bias":
-                biases.append(param)
-            elif isinstance(module, torch.nn.BatchNorm2d):
-                norms.append(param)
-            else:
-                weights.append(param)
-    optimizer = torch.optim.SGD(biases, lr=0.01, momentum=0.937, nesterov=True)
-    optimizer.add_param_group({"params": weights, "weight_decay": 5e-4})
-    optimizer.add_param_group({"params": norms, "weight_decay": 0.0})
-    return optimizer
-
-
 def train(
     factory: Factory,
     amp: bool,
@@ -82,7 +66,7 @@ def train(
 ) -> dict[str, Any]:
     model = detector()
     ema = copy.deepcopy(model).eval()
-    optimizer = smart_optimizer(model)
+    optimizer = three_groups(model)  # yolov5's smart_optimizer builds the same three
     schedule = lambda epoch: (1 - epoch / EPOCHS) * 0.99 + 0.01  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)
     scaler = factory(enabled=amp)
