@@ -173,9 +173,7 @@ CASES: tuple[Misuse, ...] = (
     ),
     Misuse(_K, 'GradScaler("cpu", history_size=100)', TypeError, ("history_size", "StepHistory")),
     Misuse(_K, 'GradScaler("cpu", probe_every=10)', TypeError, ("probe_every", "GradientProbe")),
-    Misuse(
-        _K, 'GradScaler("cpu", trace_nonfinite=True)', TypeError, ("trace_nonfinite", "Tracer")
-    ),
+    Misuse(_K, 'GradScaler("cpu", trace_nonfinite=True)', TypeError, ("trace_nonfinite", "Tracer")),
     Misuse(_K, 'GradScaler("cpu", dynamic=False)', TypeError, ("dynamic", "StaticPolicy")),
     Misuse(_O, "scaler.step(opt)", _USE, ("step()", "scaler.scale(loss)"), "model"),
     Misuse(_O, "scaler.unscale_(opt)", _USE, ("unscale_()", "scaler.scale(loss)"), "model"),

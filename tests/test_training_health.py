@@ -408,7 +408,6 @@ def test_the_scaler_does_not_keep_a_losss_autograd_graph_alive(fused: bool, over
         assert report is not None and report.cause == "loss"
 
 
-
 def test_a_loss_whose_backward_failed_is_not_kept_alive_and_the_retry_steps_as_torchs() -> None:
     """A trainer that runs out of memory in the backward drops its loss, frees memory and runs
     the batch again (ultralytics, Accelerate's ``find_executable_batch_size``): the scaler must
