@@ -354,6 +354,20 @@ def trained(scaler: Any, closures: bool = False) -> Any:
     return scaler
 
 
+@pytest.mark.parametrize("direction", ["torch to patched", "patched to torch", "patched"])
+def test_a_checkpoint_keyed_by_the_class_name_resumes_across_the_patch(direction: str) -> None:
+    reference = trained(torch.amp.GradScaler("cpu", growth_interval=3))
+    source: Factory = torch.amp.GradScaler if direction == "torch to patched" else patched_factory
+    target: Factory = torch.amp.GradScaler if direction == "patched to torch" else patched_factory
+    saved = save(trained(source("cpu", growth_interval=3)))
+    resumed = target("cpu", growth_interval=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Composer's "not in the state_dict" warning
+        load(resumed, saved)
+    assert resumed.get_scale() == reference.get_scale() != 2.0**16
+    assert resumed._get_growth_tracker() == reference._get_growth_tracker()
+
+
 def test_a_closure_scaler_checkpoint_resumes_across_the_patch() -> None:
     saved = save(trained(closure_scaler_class(torch.amp.GradScaler)("cpu"), closures=True))
     resumed = patched_closure_factory("cpu")
