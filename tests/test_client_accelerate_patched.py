@@ -20,6 +20,7 @@ from accelerate.utils.fsdp_utils import get_fsdp2_grad_scaler
 from accelerate.utils.modeling import get_grad_scaler
 
 import ampscaler
+from ampscaler.integrations import standins
 from ampscaler.integrations.accelerate import use_scaler
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
@@ -39,7 +40,7 @@ def test_accelerates_constructors_build_ampscalers_scalers() -> None:
         fsdp1 = get_grad_scaler(DistributedType.FSDP, **kwargs)
         default = get_grad_scaler(**kwargs)
     assert isinstance(fsdp1, ampscaler.ShardedGradScaler)
-    assert type(fsdp2).__name__ == type(default).__name__ == "TorchGradScaler"
+    assert type(fsdp2) is type(default) is standins.TorchGradScaler
     for scaler in (fsdp1, fsdp2, default):  # Accelerate's kwargs reach ampscaler's scaler
         assert scaler.policy.growth_interval == 7 and scaler.policy.hysteresis == 2
     assert fsdp2.get_scale() == 1024.0 and fsdp2.get_growth_interval() == 7

@@ -23,8 +23,9 @@ def test_verls_actor_under_patch_torch_matches_torchs_sharded_scaler() -> None:
     for rank_results in results:
         run = rank_results["verl_actor"]
         theirs, ours = run["torch"], run["ampscaler"]
-        assert theirs["class"] == "ShardedGradScaler"
-        assert ours["class"] == "TorchShardedGradScaler"  # built by verl's line, patched
+        assert theirs["class"] == "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
+        # built by verl's line, patched: the stand-in, under torch's class name
+        assert ours["class"] == "ampscaler.integrations.standins.ShardedGradScaler"
         assert theirs["skipped"] == expected  # an overflow on either rank skips both
         assert ours["skipped"] == ours["reported"] == expected
         assert ours["scales"] == theirs["scales"] and ours["norms"] == theirs["norms"]

@@ -35,7 +35,7 @@ def test_patch_torch_leaves_fsdp_unimported_until_the_program_imports_it() -> No
         "before = 'torch.distributed.fsdp' in sys.modules\n"
         "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
         "import torch.distributed.fsdp.sharded_grad_scaler as module\n"
-        "print(before, ShardedGradScaler.__name__, module.ShardedGradScaler.__name__)\n"
+        "print(before, ShardedGradScaler.__module__, module.ShardedGradScaler.__module__)\n"
         "ampscaler.unpatch_torch(); print(module.ShardedGradScaler.__module__)\n"
     )
     done = subprocess.run(
@@ -43,8 +43,8 @@ def test_patch_torch_leaves_fsdp_unimported_until_the_program_imports_it() -> No
     )
     assert done.stdout.split() == [
         "False",
-        "TorchShardedGradScaler",  # imported after the patch: still the stand-in
-        "TorchShardedGradScaler",
+        "ampscaler.integrations.standins",  # imported after the patch: still the stand-in
+        "ampscaler.integrations.standins",
         "torch.distributed.fsdp.sharded_grad_scaler",  # unpatched: torch's own again
     ]
 

@@ -31,7 +31,7 @@ def test_spawned_pool_workers_build_ampscalers_scaler(monkeypatch: pytest.Monkey
     with multiprocessing.get_context("spawn").Pool(1, initializer=setup_hook) as pool:
         built = pool.starmap(patched_worker.build_torch_scaler, [()] * 2)
     assert built == [
-        {"class": f"{STANDINS}.TorchGradScaler", "hysteresis": 2, "growth_interval": 400,
+        {"class": f"{STANDINS}.GradScaler", "hysteresis": 2, "growth_interval": 400,
          "scale": 65536.0}
     ] * 2  # fmt: skip
     assert torch.amp.GradScaler.__module__ == "torch.amp.grad_scaler"  # this process: untouched
@@ -45,7 +45,7 @@ def test_torchrun_ranks_build_ampscalers_sharded_scaler() -> None:
     reports = json.loads(next(line for line in out.splitlines() if line.startswith("[")))
     for rank, report in enumerate(reports):
         assert report == {
-            "class": f"{STANDINS}.TorchShardedGradScaler", "hysteresis": 2,
+            "class": f"{STANDINS}.ShardedGradScaler", "hysteresis": 2,
             "growth_interval": 400, "scale": 65536.0, "rank": rank, "skipped": True,
         }  # fmt: skip  # rank 1 overflowed: both skipped; hysteresis kept the scale
     assert len(reports) == 2

@@ -129,7 +129,7 @@ def train(rank: int, world: int, make_scaler: Callable[[], Any]) -> dict[str, An
         run["skipped"].append(run["scales"][-1] < before)
         run["reported"].append(getattr(actor.scaler, "last_step_skipped", None))
     run["params"] = [p.full_tensor().detach().clone() for p in actor.actor_module.parameters()]  # type: ignore[attr-defined]
-    run["class"] = type(actor.scaler).__qualname__
+    run["class"] = f"{type(actor.scaler).__module__}.{type(actor.scaler).__qualname__}"
     return run
 
 

@@ -28,9 +28,13 @@ values and effects torch gives them, from the scaler's own parts: its state
   optimizer's step decided stays as it was (``step_skipped()``). An entry is read from the
   iteration it was taken in at each read, as torch's is the dict its ``unscale_()`` and
   ``step()`` write into: taken before them (a SAM step takes it, then unscales), it shows what
-  they did. An entry is read-only: writing to it (an ``unscale_()`` copied from torch's
-  sharded scaler writes ``found_inf_per_device`` and ``stage`` there) raises a ``TypeError``
-  that says to call ``super().unscale_()`` and change the flags in place instead. Assigning
+  they did. One write is taken: ``stage`` set to ``OptState.READY`` before the optimizer's
+  ``step()`` (Composer's closure scaler, before each closure of a SAM step) lets
+  ``unscale_()`` check new gradients again, the old flag kept until it does, as torch's;
+  after ``step()`` it raises a ``RuntimeError``. Any other write (an ``unscale_()`` copied
+  from torch's sharded scaler writes ``found_inf_per_device`` and ``stage = UNSCALED``
+  there) raises a ``TypeError`` that says to call ``super().unscale_()`` and change the flags
+  in place instead. Assigning
   it a fresh, empty mapping (how torch's ``update()`` ends an iteration, and so code that
   copies that ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's
   sharded scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state
@@ -97,7 +101,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 from torch.amp.grad_scaler import OptState as TorchOptState
@@ -105,7 +109,7 @@ from torch.amp.grad_scaler import OptState as TorchOptState
 from .errors import ScalerUsageError, warn_at_caller
 from .grads.check import combined_flag, unscale_per_device_
 from .grads.collect import collect
-from .iteration import Iteration
+from .iteration import Iteration, OptState
 from .policy.base import float32_value, require_int
 from .policy.derived import torch_rule
 from .policy.scale import INT32_MAX
@@ -133,7 +137,8 @@ class _OptimizerEntry(Mapping[str, Any]):
     ``found_inf_per_device``, read from its record in the iteration the entry was taken in, at
     each read. torch's entry is the dict its ``unscale_()`` and ``step()`` write into, so code
     that takes it first and reads it after them (a SAM step) sees what they did, and one
-    taken in an earlier iteration shows how that one ended. Read-only: a write would change
+    taken in an earlier iteration shows how that one ended. Read-only but for ``stage`` set
+    back to ``READY`` (:meth:`OptimizerRecord.ready_again`): another write would change
     nothing, so code that writes there (an ``unscale_()`` copied from torch's sharded scaler)
     is told what to do instead."""
 
@@ -162,7 +167,14 @@ class _OptimizerEntry(Mapping[str, Any]):
     def __repr__(self) -> str:
         return repr(self._values())
 
-    def __setitem__(self, key: str, value: object) -> NoReturn:
+    def __setitem__(self, key: str, value: object) -> None:
+        if key == "stage" and (value is TorchOptState.READY or value is OptState.READY):
+            # Composer's ClosureGradScaler, before each closure of a SAM step: the optimizer
+            # may be unscaled again, its new gradients checked.
+            record = self._iteration.records.get(self._key)
+            if record is not None:
+                record.ready_again()
+            return
         raise TypeError(
             f"_per_optimizer_states is a read-only view on ampscaler's GradScaler: writing "
             f"{key!r} there (as an unscale_() copied from torch's sharded scaler does) would "

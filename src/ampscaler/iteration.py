@@ -165,6 +165,24 @@ class OptimizerRecord:
     # Whether the hooks heard of this optimizer's overflow already (at unscale_()).
     reported: bool = False
 
+    def ready_again(self) -> None:
+        """Back to READY before ``step()``, so that ``unscale_()`` may check new gradients
+        (torch's ``_per_optimizer_states[id(optimizer)]["stage"] = OptState.READY``, which
+        Composer's closure scaler writes before each SAM closure). The flag stays until that
+        check replaces it, as torch's ``found_inf_per_device`` does; what was read of it goes.
+
+        Raises:
+            ScalerUsageError: the optimizer was stepped in this iteration.
+        """
+        if self.stage is OptState.STEPPED:
+            raise ScalerUsageError(
+                "_per_optimizer_states[id(optimizer)]['stage'] was set to READY after "
+                "scaler.step(optimizer): an optimizer steps once per iteration. Set it before "
+                "step() (to unscale new gradients again), or call scaler.update() first."
+            )
+        self.stage = OptState.READY
+        self.known_overflow, self.origin, self.reported = None, None, False
+
 
 class Iteration:
     """One iteration's records, losses and outcome (module docstring). A plain class: the

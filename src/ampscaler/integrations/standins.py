@@ -22,10 +22,17 @@ any ampscaler scaler is a ``torch.amp.GradScaler`` while patched, an ampscaler
 
 A stand-in referenced after :func:`~ampscaler.unpatch_torch` (by code that took it while
 patched) still builds ampscaler's scaler, with torch's defaults and no settings.
+
+A stand-in's ``__name__`` and ``__qualname__`` are its torch class's (``"GradScaler"``,
+``"ShardedGradScaler"``): code keys things by ``type(scaler).__qualname__`` (Composer saves
+the scaler in its checkpoints under it, and loads it back from under the same key), so a run
+resumed under the patch finds the entry a run with torch's scaler saved, and the other way
+round. Pickle still finds a stand-in by its name in this module.
 """
 
 from __future__ import annotations
 
+import copyreg
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
@@ -235,3 +242,22 @@ class TorchShardedGradScaler(ShardedGradScaler, metaclass=_StandsIn):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _build(self, _torch_sharded(), args, kwargs, ShardedGradScaler.__init__)
+
+
+def _named_as_torchs(stand_in: type, name: str) -> None:
+    """Give ``stand_in`` its torch class's ``name``; pickle finds it by the name it has in this
+    module (``_pickled_as``), kept for classes derived from it, which keep their own."""
+    stand_in._pickled_as = stand_in.__qualname__  # type: ignore[attr-defined]
+    stand_in.__name__ = stand_in.__qualname__ = name
+
+
+def _pickled_name(cls: _StandsIn) -> str:
+    """How pickle names a class made by :class:`_StandsIn`: a global of its module."""
+    named: str = cls.__dict__.get("_pickled_as", cls.__qualname__)
+    return named
+
+
+for _stand_in in (TorchGradScaler, TorchCudaGradScaler, TorchCpuGradScaler):
+    _named_as_torchs(_stand_in, "GradScaler")
+_named_as_torchs(TorchShardedGradScaler, "ShardedGradScaler")
+copyreg.pickle(_StandsIn, _pickled_name)
