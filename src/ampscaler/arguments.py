@@ -9,8 +9,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -20,11 +25,13 @@ from .policy.base import Policy, check_switch, float32_value, require_int
 
 __all__ = [
     "DEFAULT_INIT_SCALE",
+    "WarningSite",
     "check_attempts",
     "check_skip_limit",
     "check_switch",
     "device_and_enabled",
     "new_scale_value",
+    "no_cuda_warning_at",
     "refusing_removed_options",
     "starting_scale",
 ]
@@ -38,6 +45,48 @@ DEFAULT_INIT_SCALE = 2.0**16
 TORCH_NO_CUDA_WARNING = (
     "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
 )
+
+
+@dataclass(frozen=True)
+class WarningSite:
+    """A line of one of torch's modules, to which a warning is attributed as if that line had
+    raised it: its file and line, and its module (what ``warnings.filterwarnings(...,
+    module=...)`` matches, and whose ``__warningregistry__`` remembers it)."""
+
+    filename: str
+    lineno: int
+    module: str
+
+    def warn(self, message: str, category: type[Warning]) -> None:
+        """Warn ``message`` from this line."""
+        namespace = vars(sys.modules[self.module])
+        warnings.warn_explicit(
+            message,
+            category,
+            self.filename,
+            self.lineno,
+            module=self.module,
+            registry=namespace.setdefault("__warningregistry__", {}),
+            module_globals=namespace,
+        )
+
+
+# Where the no-CUDA warning comes from while a stand-in for one of torch's subclasses builds.
+_no_cuda_site: ContextVar[WarningSite | None] = ContextVar("_no_cuda_site", default=None)
+
+
+@contextlib.contextmanager
+def no_cuda_warning_at(site: WarningSite) -> Iterator[None]:
+    """Within the block, a scaler built for ``"cuda"`` without CUDA warns from ``site``, not
+    from the caller's line: torch's ``torch.cuda.amp.GradScaler`` and ``ShardedGradScaler``
+    call ``torch.amp.GradScaler.__init__``, which warns one level up, so torch's warning for
+    them comes from their own module (and a filter by that module silences it)."""
+    token = _no_cuda_site.set(site)
+    try:
+        yield
+    finally:
+        _no_cuda_site.reset(token)
+
 
 #: The constructor options ampscaler 0.1.0 took and 0.2.0 removed, with what replaces each.
 REMOVED_OPTIONS = {
@@ -130,7 +179,8 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     """The device type (``None``: the first scaled tensor's) and whether the scaler is on.
 
     Like torch, ``"cuda"`` on a machine without CUDA warns (torch's words first, which
-    programs filter it by, then ampscaler's hint; at the caller's line) and disables the
+    programs filter it by, then ampscaler's hint; at the caller's line, or within
+    :func:`no_cuda_warning_at` where torch's warning would come from) and disables the
     scaler, and ``enabled`` takes any
     truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
 
@@ -140,11 +190,15 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     enabled = bool(enabled)
     device_type = _device_type(device)
     if enabled and device_type == "cuda" and not torch.cuda.is_available():
-        warn_at_caller(
+        message = (
             f"{TORCH_NO_CUDA_WARNING} (ampscaler.GradScaler, as torch's: pass device='cpu' "
-            "or None to scale on the CPU.)",
-            UserWarning,
+            "or None to scale on the CPU.)"
         )
+        site = _no_cuda_site.get()
+        if site is None:
+            warn_at_caller(message, UserWarning)
+        else:
+            site.warn(message, UserWarning)
         return device_type, False
     return device_type, enabled
 

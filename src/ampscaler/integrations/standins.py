@@ -20,12 +20,20 @@ class (torch's scalers, made before the patch too) and ampscaler's scalers of th
 any ampscaler scaler is a ``torch.amp.GradScaler`` while patched, an ampscaler
 ``ShardedGradScaler`` a ``ShardedGradScaler``. The deprecated names warn as torch's do.
 
+Built for ``"cuda"`` on a machine without CUDA, the stand-ins for ``torch.cuda.amp.GradScaler``
+and ``ShardedGradScaler`` warn from the line of torch's module that torch's warning comes from
+(their ``__init__``'s call of ``torch.amp.GradScaler.__init__``), as torch's do, so that a filter
+by that module (``warnings.filterwarnings("ignore", module="torch.cuda.amp.*")``) silences them
+too; ``torch.amp.GradScaler``'s warns at the caller's line, as torch's.
+
 A stand-in referenced after :func:`~ampscaler.unpatch_torch` (by code that took it while
 patched) still builds ampscaler's scaler, with torch's defaults and no settings.
 """
 
 from __future__ import annotations
 
+import dis
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
@@ -36,6 +44,7 @@ from torch.amp.grad_scaler import GradScaler as _TorchAmp
 from torch.cpu.amp.grad_scaler import GradScaler as _TorchCpu
 from torch.cuda.amp.grad_scaler import GradScaler as _TorchCuda
 
+from ..arguments import WarningSite, no_cuda_warning_at
 from ..scaler import GradScaler
 from ..sharded import ShardedGradScaler
 from .patch_settings import PatchSettings, merged_arguments
@@ -110,6 +119,21 @@ def _torch_sharded() -> type:
 
         remember_torch_class(_SHARDED, torchs)
     return _torch_classes[_SHARDED]
+
+
+@functools.cache
+def _super_init_site(torch_class: type) -> WarningSite:
+    """The line of ``torch_class.__init__`` (torch's own subclass of ``torch.amp.GradScaler``)
+    that calls its base's ``__init__``: where torch's no-CUDA warning for it comes from. The
+    ``def`` line where no such call is found."""
+    code = inspect.unwrap(torch_class.__init__).__code__  # type: ignore[misc]
+    line = code.co_firstlineno
+    starts = sorted((offset, start) for offset, start in dis.findlinestarts(code) if start)
+    for instruction in dis.get_instructions(code):
+        if instruction.argval == "__init__":
+            line = next((s for o, s in reversed(starts) if o <= instruction.offset), line)
+            break
+    return WarningSite(code.co_filename, line, torch_class.__module__)
 
 
 def _build(
@@ -209,7 +233,8 @@ class TorchCudaGradScaler(TorchGradScaler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _deprecated("cuda")
-        _build(self, _TorchCuda, args, kwargs, GradScaler.__init__, default={"device": "cuda"})
+        with no_cuda_warning_at(_super_init_site(_TorchCuda)):
+            _build(self, _TorchCuda, args, kwargs, GradScaler.__init__, default={"device": "cuda"})
 
 
 class TorchCpuGradScaler(TorchGradScaler):
@@ -234,4 +259,6 @@ class TorchShardedGradScaler(ShardedGradScaler, metaclass=_StandsIn):
     _torch_name: ClassVar[str] = _SHARDED  # torch's class is accepted too, once known
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _build(self, _torch_sharded(), args, kwargs, ShardedGradScaler.__init__)
+        torchs = _torch_sharded()
+        with no_cuda_warning_at(_super_init_site(torchs)):
+            _build(self, torchs, args, kwargs, ShardedGradScaler.__init__)
