@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "check_switch",
     "device_and_enabled",
     "new_scale_value",
+    "no_cuda_warner",
     "refusing_removed_options",
     "starting_scale",
 ]
@@ -37,6 +39,13 @@ DEFAULT_INIT_SCALE = 2.0**16
 #: ampscaler's, for torch's names under ``patch_torch()`` and its own, begins with it.
 TORCH_NO_CUDA_WARNING = (
     "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
+)
+
+#: Who warns that a scaler built for ``"cuda"`` has no CUDA: at the caller's line, as torch's
+#: ``torch.amp.GradScaler`` does; the stand-ins for torch's subclasses set torch's own line
+#: while they build (:mod:`ampscaler.integrations.standins`).
+no_cuda_warner: ContextVar[Callable[[str, type[Warning]], None]] = ContextVar(
+    "no_cuda_warner", default=warn_at_caller
 )
 
 #: The constructor options ampscaler 0.1.0 took and 0.2.0 removed, with what replaces each.
@@ -130,7 +139,7 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     """The device type (``None``: the first scaled tensor's) and whether the scaler is on.
 
     Like torch, ``"cuda"`` on a machine without CUDA warns (torch's words first, which
-    programs filter it by, then ampscaler's hint; at the caller's line) and disables the
+    programs filter it by, then ampscaler's hint; by :data:`no_cuda_warner`) and disables the
     scaler, and ``enabled`` takes any
     truthy value (``enabled=args.amp``, ``numpy.bool_``, ``1``).
 
@@ -140,7 +149,7 @@ def device_and_enabled(device: object, enabled: object) -> tuple[str | None, boo
     enabled = bool(enabled)
     device_type = _device_type(device)
     if enabled and device_type == "cuda" and not torch.cuda.is_available():
-        warn_at_caller(
+        no_cuda_warner.get()(
             f"{TORCH_NO_CUDA_WARNING} (ampscaler.GradScaler, as torch's: pass device='cpu' "
             "or None to scale on the CPU.)",
             UserWarning,

@@ -20,6 +20,12 @@ class (torch's scalers, made before the patch too) and ampscaler's scalers of th
 any ampscaler scaler is a ``torch.amp.GradScaler`` while patched, an ampscaler
 ``ShardedGradScaler`` a ``ShardedGradScaler``. The deprecated names warn as torch's do.
 
+Built for ``"cuda"`` on a machine without CUDA, the stand-ins for ``torch.cuda.amp.GradScaler``
+and ``ShardedGradScaler`` warn from the line of torch's module that torch's warning comes from
+(their ``__init__``'s call of ``torch.amp.GradScaler.__init__``), as torch's do, so that a filter
+by that module (``warnings.filterwarnings("ignore", module="torch.cuda.amp.*")``) silences them
+too; ``torch.amp.GradScaler``'s warns at the caller's line, as torch's.
+
 A stand-in referenced after :func:`~ampscaler.unpatch_torch` (by code that took it while
 patched) still builds ampscaler's scaler, with torch's defaults and no settings.
 
@@ -32,10 +38,15 @@ round. Pickle still finds a stand-in by its name in this module.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
+import dis
+import functools
 import inspect
+import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -43,6 +54,7 @@ from torch.amp.grad_scaler import GradScaler as _TorchAmp
 from torch.cpu.amp.grad_scaler import GradScaler as _TorchCpu
 from torch.cuda.amp.grad_scaler import GradScaler as _TorchCuda
 
+from ..arguments import no_cuda_warner
 from ..scaler import GradScaler
 from ..sharded import ShardedGradScaler
 from .patch_settings import PatchSettings, merged_arguments
@@ -117,6 +129,58 @@ def _torch_sharded() -> type:
 
         remember_torch_class(_SHARDED, torchs)
     return _torch_classes[_SHARDED]
+
+
+@dataclass(frozen=True)
+class WarningSite:
+    """A line of one of torch's modules, to which a warning is attributed as if that line had
+    raised it: its file and line, and its module (what ``warnings.filterwarnings(...,
+    module=...)`` matches, and whose ``__warningregistry__`` remembers it)."""
+
+    filename: str
+    lineno: int
+    module: str
+
+    def warn(self, message: str, category: type[Warning]) -> None:
+        """Warn ``message`` from this line."""
+        namespace = vars(sys.modules[self.module])
+        warnings.warn_explicit(
+            message,
+            category,
+            self.filename,
+            self.lineno,
+            module=self.module,
+            registry=namespace.setdefault("__warningregistry__", {}),
+            module_globals=namespace,
+        )
+
+
+@contextlib.contextmanager
+def no_cuda_warning_at(site: WarningSite) -> Iterator[None]:
+    """Within the block, a scaler built for ``"cuda"`` without CUDA warns from ``site``, not
+    from the caller's line: torch's ``torch.cuda.amp.GradScaler`` and ``ShardedGradScaler``
+    call ``torch.amp.GradScaler.__init__``, which warns one level up, so torch's warning for
+    them comes from their own module (and a filter by that module silences it)."""
+    token = no_cuda_warner.set(site.warn)
+    try:
+        yield
+    finally:
+        no_cuda_warner.reset(token)
+
+
+@functools.cache
+def _super_init_site(torch_class: type) -> WarningSite:
+    """The line of ``torch_class.__init__`` (torch's own subclass of ``torch.amp.GradScaler``)
+    that calls its base's ``__init__``: where torch's no-CUDA warning for it comes from. The
+    ``def`` line where no such call is found."""
+    code = inspect.unwrap(torch_class.__init__).__code__  # type: ignore[misc]
+    line = code.co_firstlineno
+    starts = sorted((offset, start) for offset, start in dis.findlinestarts(code) if start)
+    for instruction in dis.get_instructions(code):
+        if instruction.argval == "__init__":
+            line = next((s for o, s in reversed(starts) if o <= instruction.offset), line)
+            break
+    return WarningSite(code.co_filename, line, torch_class.__module__)
 
 
 def _build(
@@ -216,7 +280,8 @@ class TorchCudaGradScaler(TorchGradScaler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _deprecated("cuda")
-        _build(self, _TorchCuda, args, kwargs, GradScaler.__init__, default={"device": "cuda"})
+        with no_cuda_warning_at(_super_init_site(_TorchCuda)):
+            _build(self, _TorchCuda, args, kwargs, GradScaler.__init__, default={"device": "cuda"})
 
 
 class TorchCpuGradScaler(TorchGradScaler):
@@ -241,7 +306,9 @@ class TorchShardedGradScaler(ShardedGradScaler, metaclass=_StandsIn):
     _torch_name: ClassVar[str] = _SHARDED  # torch's class is accepted too, once known
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _build(self, _torch_sharded(), args, kwargs, ShardedGradScaler.__init__)
+        torchs = _torch_sharded()
+        with no_cuda_warning_at(_super_init_site(torchs)):
+            _build(self, torchs, args, kwargs, ShardedGradScaler.__init__)
 
 
 def _named_as_torchs(stand_in: type, name: str) -> None:
