@@ -19,6 +19,9 @@ from hypothesis import settings
 # `--hypothesis-seed=N` to pick the draws; keep what it finds as an `@example`.
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
+# Longer runs of the state machines that take the profile's count when it is larger
+# (tests/test_fuzz_private.py): `--hypothesis-profile=explore-long --hypothesis-seed=N`.
+settings.register_profile("explore-long", derandomize=False, max_examples=2000)
 settings.load_profile("repeatable")
 
 # DeepSpeed (installed for tests/test_deepspeed.py) warns on stdout when it looks for an

@@ -98,6 +98,19 @@ def test_check_inf_per_device_checks_without_unscaling() -> None:
         assert float(next(iter(scaler._found_inf_per_device(opt).values()))) == 1.0
 
 
+def test_check_inf_per_device_before_the_first_scale_raises_as_torchs() -> None:
+    """A ``GradScaler("cpu")`` has its state from construction, but no iteration was scaled:
+    torch's refuses with an AssertionError, as ampscaler's _check_scale_growth_tracker does
+    (found by tests/test_fuzz_private.py)."""
+    for factory in BOTH:
+        model, opt = _model_and_opt()
+        model(torch.ones(2, 3)).sum().backward()
+        scaler = factory("cpu")
+        with pytest.raises(AssertionError, match="_check_inf_per_device"):
+            scaler._check_inf_per_device(opt)
+        assert scaler._found_inf_per_device(opt) == {}
+
+
 def test_lazy_init_makes_the_state_on_the_device() -> None:
     for factory in BOTH:
         scaler = factory(init_scale=8.0)  # no device yet (ours) / "cuda" default (torch)

@@ -361,22 +361,31 @@ def run_twin(script: Script, factory: Callable[..., Any]) -> Trace:
     return trace
 
 
-def torch_update(scaler: Any) -> None:
-    """torch's ``update()`` (without ``new_scale``), as code of one's own copies it: it reads
-    the flags and moves the scale through torch's private names, adding the flags in place into
-    the first, and ends the iteration by assigning ``_per_optimizer_states`` afresh."""
+def torch_update(scaler: Any, new_scale: float | None = None) -> None:
+    """torch's ``update()``, as code of one's own copies it (NeMo's and Composer's scalers):
+    through torch's private names only, it sets ``new_scale`` into the scale tensor, or reads
+    the flags (refusing, as torch does, when none were recorded) and moves the scale, adding the
+    flags in place into the first; then it ends the iteration by assigning
+    ``_per_optimizer_states`` afresh."""
+    if not scaler._enabled:
+        return
     scale, tracker = scaler._check_scale_growth_tracker("update")
-    states = scaler._per_optimizer_states
-    flags = [
-        f.to(scale.device)
-        for state in states.values()
-        for f in state["found_inf_per_device"].values()
-    ]
-    combined = flags[0]
-    for flag in flags[1:]:
-        combined += flag
-    rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
-    torch._amp_update_scale_(scale, tracker, combined, *rule)
+    if new_scale is not None:
+        scale.fill_(new_scale)
+    else:
+        states = scaler._per_optimizer_states
+        flags = [
+            f.to(scale.device)
+            for state in states.values()
+            for f in state["found_inf_per_device"].values()
+        ]
+        if not flags:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        combined = flags[0]
+        for flag in flags[1:]:
+            combined += flag
+        rule = (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
+        torch._amp_update_scale_(scale, tracker, combined, *rule)
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 

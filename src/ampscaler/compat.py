@@ -106,7 +106,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 import torch
 from torch.amp.grad_scaler import OptState as TorchOptState
 
-from .errors import ScalerUsageError, warn_at_caller
+from .errors import warn_at_caller
 from .grads.check import combined_flag, unscale_per_device_
 from .grads.collect import collect
 from .iteration import Iteration, OptState
@@ -385,12 +385,13 @@ class TorchPrivateNames:
         return unscale_per_device_(groups, inv_scale, found_inf.clone())
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
-        live = self._state.live
-        if live is None:
-            raise ScalerUsageError(
-                "_check_inf_per_device() before the scale was used: call "
-                "scaler.scale(loss).backward() first."
-            )
+        """Check ``optimizer``'s gradients without unscaling them, and record the flags.
+
+        Raises:
+            ScalerUsageError: (an ``AssertionError``, as torch's) ``scale()`` has not been used
+                yet: a ``GradScaler("cpu")`` has its state from construction, torch's not.
+        """
+        live = self._state.require("_check_inf_per_device")
         ones = torch.ones((), dtype=torch.float32, device=live.device)
         flags: dict[torch.device, Any] = self._unscale_grads_(
             optimizer, ones, torch.zeros_like(ones), True
