@@ -19,27 +19,26 @@ values and effects torch gives them, from the scaler's own parts: its state
   state-dict tests). Assigned before the first ``scale()``, where the run starts (torch's
   scaler reads them only then, so code assigns them to choose it); later, only kept, as by
   torch's (whose ``load_state_dict()`` assigns them and fills the live tensors beside them).
-- ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState,
-  "found_inf_per_device": {device: flag}}}`` for the iteration in progress, a new
-  ``defaultdict`` on each read (torch's tests, code that checks whether an optimizer was
-  unscaled). The flag is the optimizer's combined flag, on the scale's device: the tensor
-  itself, so that writes into it count (an ``unscale_()`` override agreeing on it across ranks;
-  an ``update()`` copied from torch's adds the flags into the first), while what a fused
-  optimizer's step decided stays as it was (``step_skipped()``). An entry is read from the
-  iteration it was taken in at each read, as torch's is the dict its ``unscale_()`` and
-  ``step()`` write into: taken before them (a SAM step takes it, then unscales), it shows what
-  they did. One write is taken: ``stage`` set to ``OptState.READY`` before the optimizer's
-  ``step()`` (Composer's closure scaler, before each closure of a SAM step) lets
-  ``unscale_()`` check new gradients again, the old flag kept until it does, as torch's;
-  after ``step()`` it raises a ``RuntimeError``. Any other write (an ``unscale_()`` copied
-  from torch's sharded scaler writes ``found_inf_per_device`` and ``stage = UNSCALED``
-  there) raises a ``TypeError`` that says to call ``super().unscale_()`` and change the flags
-  in place instead. Assigning
-  it a fresh, empty mapping (how torch's ``update()`` ends an iteration, and so code that
-  copies that ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's
-  sharded scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state
-  as that code left it, and drops one that stepped nothing; another value raises
-  ``AttributeError``.
+- ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState, "found_inf_per_device":
+  {device: flag}}}`` for the iteration in progress, a new ``defaultdict`` on each read (torch's
+  tests, code that checks whether an optimizer was unscaled). The flag is the optimizer's combined
+  flag, on the scale's device: the tensor itself, so that writes into it count (an ``unscale_()``
+  override agreeing on it across ranks; an ``update()`` copied from torch's adds the flags into the
+  first), while what a fused optimizer's step decided stays as it was (``step_skipped()``). An entry
+  is read from the iteration it was taken in at each read, as torch's is the dict its ``unscale_()``
+  and ``step()`` write into: taken before them (a SAM step takes it, then unscales), it shows what
+  they did. Two writes are taken: ``stage`` set to ``OptState.READY`` before the optimizer's
+  ``step()`` (Composer's closure scaler, before each closure of a SAM step) lets ``unscale_()``
+  check new gradients again, the old flag kept until it does, as torch's; after ``step()`` it raises
+  a ``RuntimeError``. ``stage`` set to ``OptState.STEPPED`` (or ``2``) after ``unscale_()`` says the
+  loop stepped the optimizer itself (the SAM-with-AMP recipe); written into an ended iteration's
+  entry it changes nothing. Any other write (an ``unscale_()`` copied from torch's sharded scaler
+  writes ``found_inf_per_device`` and ``stage = UNSCALED`` there) raises a ``TypeError`` that says
+  to call ``super().unscale_()`` and change the flags in place instead. Assigning it a fresh, empty
+  mapping (how torch's ``update()`` ends an iteration, and so code that copies that ``update()``
+  into a subclass; a trainer dropping a batch it runs again; torch's sharded scaler's ``__init__``)
+  ends a stepped iteration as ``update()`` does, with the state as that code left it, and drops one
+  that stepped nothing; another value raises ``AttributeError``.
 - ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
 - ``_check_inf_per_device(optimizer)``: checks without unscaling and records the flag, as
   torch's deprecated ``grad_scaler=`` step protocol uses it.
@@ -106,7 +105,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 import torch
 from torch.amp.grad_scaler import OptState as TorchOptState
 
-from .errors import warn_at_caller
+from .errors import ScalerUsageError, warn_at_caller
 from .grads.check import combined_flag, unscale_per_device_
 from .grads.collect import collect
 from .iteration import Iteration, OptState
@@ -118,6 +117,7 @@ from .state import ScalerState
 if TYPE_CHECKING:
     from .grads.collect import GradGroups
     from .iteration import OptimizerRecord
+    from .state import LiveState
 
 __all__ = ["TorchPrivateNames"]
 
@@ -138,12 +138,13 @@ class _OptimizerEntry(Mapping[str, Any]):
     each read. torch's entry is the dict its ``unscale_()`` and ``step()`` write into, so code
     that takes it first and reads it after them (a SAM step) sees what they did, and one
     taken in an earlier iteration shows how that one ended. Read-only but for ``stage`` set
-    back to ``READY`` (:meth:`OptimizerRecord.ready_again`): another write would change
-    nothing, so code that writes there (an ``unscale_()`` copied from torch's sharded scaler)
-    is told what to do instead."""
+    back to ``READY`` (:meth:`OptimizerRecord.ready_again`) or on to ``STEPPED``
+    (:meth:`TorchPrivateNames._stepped_by_caller`): another write would change nothing, so
+    code that writes there (an ``unscale_()`` copied from torch's sharded scaler) is told what
+    to do instead."""
 
-    def __init__(self, iteration: Iteration, key: int) -> None:
-        self._iteration, self._key = iteration, key
+    def __init__(self, scaler: TorchPrivateNames, iteration: Iteration, key: int) -> None:
+        self._scaler, self._iteration, self._key = scaler, iteration, key
 
     def _values(self) -> dict[str, Any]:
         record = self._iteration.records.get(self._key)
@@ -168,12 +169,17 @@ class _OptimizerEntry(Mapping[str, Any]):
         return repr(self._values())
 
     def __setitem__(self, key: str, value: object) -> None:
-        if key == "stage" and (value is TorchOptState.READY or value is OptState.READY):
+        stage = _stage_written(key, value)
+        if stage is OptState.READY:
             # Composer's ClosureGradScaler, before each closure of a SAM step: the optimizer
             # may be unscaled again, its new gradients checked.
             record = self._iteration.records.get(self._key)
             if record is not None:
                 record.ready_again()
+            return
+        if stage is OptState.STEPPED:
+            # SAM's first step with AMP: the loop steps the optimizer itself after unscale_().
+            self._scaler._stepped_by_caller(self._iteration, self._key)
             return
         raise TypeError(
             f"_per_optimizer_states is a read-only view on ampscaler's GradScaler: writing "
@@ -185,19 +191,32 @@ class _OptimizerEntry(Mapping[str, Any]):
         )
 
 
+def _stage_written(key: str, value: object) -> OptState | None:
+    """The stage a write of ``value`` under ``key`` sets, where it is ``READY`` or ``STEPPED``
+    (torch's enum, ampscaler's, or their values 0 and 2, which code copied from torch's writes
+    as well); ``None`` for any other write."""
+    if key != "stage":
+        return None
+    if isinstance(value, (TorchOptState, OptState)):
+        value = value.value
+    if type(value) is not int or value not in (OptState.READY.value, OptState.STEPPED.value):
+        return None
+    return OptState(value)
+
+
 class _Entries(defaultdict[int, _OptimizerEntry]):
     """``_per_optimizer_states``: the entries of the optimizers the iteration has seen, and, as
     torch's ``defaultdict``, one made on reading any other key (it then shows what the
     iteration does with that optimizer)."""
 
-    def __init__(self, iteration: Iteration) -> None:
+    def __init__(self, scaler: TorchPrivateNames) -> None:
         super().__init__()
-        self._iteration = iteration
-        for key in iteration.records:
-            self[key] = _OptimizerEntry(iteration, key)
+        self._scaler, self._iteration = scaler, scaler._iteration
+        for key in self._iteration.records:
+            self[key] = _OptimizerEntry(scaler, self._iteration, key)
 
     def __missing__(self, key: int) -> _OptimizerEntry:
-        entry = self[key] = _OptimizerEntry(self._iteration, key)
+        entry = self[key] = _OptimizerEntry(self._scaler, self._iteration, key)
         return entry
 
 
@@ -294,6 +313,10 @@ class TorchPrivateNames:
     _iteration: Iteration
     #: Ends the iteration in progress with the state as code outside the scaler left it.
     _end_moved_outside: Callable[[], None]
+    #: Records an optimizer's step: its flag, the guards' flag, the live state.
+    _stepped: Callable[
+        [OptimizerRecord, torch.Tensor | bool, torch.Tensor | bool | None, LiveState], None
+    ]
 
     # ------------------------------------------------------------------ the state
 
@@ -349,7 +372,7 @@ class TorchPrivateNames:
 
     @property
     def _per_optimizer_states(self) -> defaultdict[int, _OptimizerEntry]:
-        return _Entries(self._iteration)
+        return _Entries(self)
 
     @_per_optimizer_states.setter
     def _per_optimizer_states(self, value: object) -> None:
@@ -365,6 +388,36 @@ class TorchPrivateNames:
                 "_per_optimizer_states[id(optimizer)] in place."
             )
         self._end_moved_outside()
+
+    def _stepped_by_caller(self, iteration: Iteration, key: int) -> None:
+        """``stage`` set to ``STEPPED`` in the entry of the optimizer keyed ``key``: the loop
+        stepped that optimizer itself after ``unscale_()`` and ends the iteration with
+        ``update()`` (SAM's first step with AMP, a recipe copied widely: it steps unless
+        ``found_inf_per_device`` holds a flag > 0). The step is counted as ``step()`` would
+        have decided it (skipped where the flag is > 0). As on torch's scaler, the write
+        changes nothing on an entry of an iteration that has ended (the recipe writes into the
+        first step's entry again after its second) or of an optimizer already stepped.
+
+        Raises:
+            ScalerUsageError: the optimizer was not unscaled in this iteration: there is no
+                check for ``update()`` to decide on.
+        """
+        record = iteration.records.get(key)
+        if iteration is not self._iteration or (
+            record is not None and record.stage is OptState.STEPPED
+        ):
+            return
+        if record is None or record.stage is not OptState.UNSCALED:
+            raise ScalerUsageError(
+                "_per_optimizer_states[id(optimizer)]['stage'] was set to STEPPED before "
+                "scaler.unscale_(optimizer): no check of its gradients was made for update() "
+                "to decide on. Call scaler.unscale_(optimizer) first, then step the optimizer "
+                "unless its found_inf_per_device flags are > 0, or call "
+                "scaler.step(optimizer)."
+            )
+        found = record.found_inf
+        live = self._state.require("step")
+        self._stepped(record, False if found is None else found, record.spike, live)
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         found: dict[torch.device, Any] = self._per_optimizer_states[id(optimizer)][
