@@ -116,6 +116,24 @@ def test_scale_after_unscale_is_refused_and_changes_nothing() -> None:
     assert unscaled.abs().max() < 1e3  # the first gradients were unscaled (not at 1024x)
 
 
+def test_scale_after_an_unscale_that_found_no_gradient_goes_on_as_torchs() -> None:
+    """An optimizer whose ``unscale_()`` found no gradient unscaled nothing: the next
+    ``scale()`` has nothing to mix with and is taken (a loop that caught ``update()``'s "No inf
+    checks" for it goes on, as nerfstudio's per-group stepping would); its ``step()`` then
+    refuses as torch's does, since no check of it was recorded."""
+    for factory in (torch.amp.GradScaler, GradScaler):
+        model, opt = _model_and_opt()
+        scaler = factory("cpu", init_scale=1024.0)
+        scaler.scale(_loss(model).detach().requires_grad_()).backward()  # reaches no parameter
+        scaler.unscale_(opt)
+        with pytest.raises(AssertionError, match="No inf checks were recorded"):
+            scaler.update()
+        scaler.scale(_loss(model)).backward()
+        with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+            scaler.step(opt)
+        assert scaler.get_scale() == 1024.0, factory
+
+
 def test_torch_applies_stale_unscaled_gradients_after_an_interruption() -> None:
     """What item 4 guards against, in torch's scaler: the next step applies scaled
     gradients (the reason ampscaler is stricter there)."""

@@ -312,13 +312,19 @@ class Iteration:
     def require_none_unscaled(self) -> None:
         """Raise if an optimizer was unscaled and not stepped: a loss scaled now would add
         scaled gradients to unscaled ones, and ``step()`` would take the sum as unscaled
-        (stricter than torch, see docs/migration.md).
+        (stricter than torch, see docs/migration.md). An optimizer whose ``unscale_()`` found
+        no gradient unscaled nothing: its ``step()`` refuses as torch's does ("No inf checks
+        were recorded for this optimizer"), so a loop that caught ``update()``'s error for it
+        goes on as over torch's scaler.
 
         Raises:
-            ScalerUsageError: ``unscale_()`` came since the last ``update()`` and ``step()``
-                did not.
+            ScalerUsageError: ``unscale_()`` of gradients came since the last ``update()`` and
+                ``step()`` did not.
         """
-        if any(record.stage is OptState.UNSCALED for record in self.records.values()):
+        if any(
+            record.stage is OptState.UNSCALED and record.found_inf is not None
+            for record in self.records.values()
+        ):
             raise ScalerUsageError(
                 "scaler.scale() was called after scaler.unscale_(optimizer) and before its "
                 "step() and update(): the new scaled gradients would be added to unscaled "
