@@ -263,7 +263,8 @@ class _Entries(defaultdict[int, _OptimizerEntry]):
     # optimizer's entry, so that the next unscale_() checks new gradients; hivemind's scaler
     # puts a fresh entry back after a step it does not update on.
 
-    def clear(self) -> None:
+    # (dict's own names, bound below: the scaler's public methods live in scaler.py only)
+    def _clear(self) -> None:
         super().clear()
         self._scaler._per_optimizer_states = {}  # as a fresh mapping assigned (module docstring)
 
@@ -271,12 +272,14 @@ class _Entries(defaultdict[int, _OptimizerEntry]):
         super().__delitem__(key)
         self._scaler._forget(self._iteration, key)
 
-    def pop(self, key: int, *default: Any) -> Any:
+    def _pop(self, key: int, *default: Any) -> Any:
         if key not in self:
             return super().pop(key, *default)
         entry = super().pop(key)
         self._scaler._forget(self._iteration, key)
         return entry
+
+    clear, pop = _clear, _pop
 
     def __setitem__(self, key: int, value: _OptimizerEntry) -> None:
         if not _fresh_entry(value):
