@@ -32,13 +32,20 @@ values and effects torch gives them, from the scaler's own parts: its state
   check new gradients again, the old flag kept until it does, as torch's; after ``step()`` it raises
   a ``RuntimeError``. ``stage`` set to ``OptState.STEPPED`` (or ``2``) after ``unscale_()`` says the
   loop stepped the optimizer itself (the SAM-with-AMP recipe); written into an ended iteration's
-  entry it changes nothing. Any other write (an ``unscale_()`` copied from torch's sharded scaler
-  writes ``found_inf_per_device`` and ``stage = UNSCALED`` there) raises a ``TypeError`` that says
-  to call ``super().unscale_()`` and change the flags in place instead. Assigning it a fresh, empty
-  mapping (how torch's ``update()`` ends an iteration, and so code that copies that ``update()``
-  into a subclass; a trainer dropping a batch it runs again; torch's sharded scaler's ``__init__``)
-  ends a stepped iteration as ``update()`` does, with the state as that code left it, and drops one
-  that stepped nothing; another value raises ``AttributeError``.
+  entry it changes nothing. ``found_inf_per_device`` set to ``{}`` where the stage is ``READY``
+  (GPViT's runner, after writing ``READY``, gives the batch to fp32) forgets the check. Any other
+  write (an ``unscale_()`` copied from torch's sharded scaler writes ``found_inf_per_device`` and
+  ``stage = UNSCALED`` there) raises a ``TypeError`` that says to call ``super().unscale_()`` and
+  change the flags in place instead. Flags changed in place between ``unscale_()`` and ``step()``
+  (a loop all-reducing them) decide the step, as in torch: once code has taken them, ``step()``
+  reads them again. The dict forgets as torch's does: ``pop``, ``del`` or torch's fresh entry
+  (``_refresh_per_optimizer_state()``, hivemind's scaler) under an optimizer's key forgets what
+  the iteration did with it (a loop giving up a batch after ``unscale_()``), ``clear()`` is a
+  fresh mapping assigned; another value put there raises a ``TypeError``. Assigning it a fresh,
+  empty mapping (how torch's ``update()`` ends an iteration, and so code that copies that
+  ``update()`` into a subclass; a trainer dropping a batch it runs again; torch's sharded
+  scaler's ``__init__``) ends a stepped iteration as ``update()`` does, with the state as that
+  code left it, and drops one that stepped nothing; another value raises ``AttributeError``.
 - ``_found_inf_per_device(optimizer)``: that entry's ``found_inf_per_device``.
 - ``_check_inf_per_device(optimizer)``: checks without unscaling and records the flag, as
   torch's deprecated ``grad_scaler=`` step protocol uses it.
@@ -157,6 +164,13 @@ class _OptimizerEntry(Mapping[str, Any]):
         return {"stage": TorchOptState[record.stage.name], "found_inf_per_device": flags}
 
     def __getitem__(self, key: str) -> Any:
+        if key == "found_inf_per_device":
+            record = self._iteration.records.get(self._key)
+            if record is not None and record.stage is OptState.UNSCALED:
+                # Code holding the flags may change them in place before step() (a loop that
+                # all-reduces them so that every rank skips alike), which decides on them as
+                # torch's does: what unscale_() read of them is read again there.
+                record.known_overflow = None
         return self._values()[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -181,6 +195,11 @@ class _OptimizerEntry(Mapping[str, Any]):
             # SAM's first step with AMP: the loop steps the optimizer itself after unscale_().
             self._scaler._stepped_by_caller(self._iteration, self._key)
             return
+        if key == "found_inf_per_device" and _empty_mapping(value) and self._ready():
+            # After stage = READY (GPViT's runner, giving up an fp16 step after unscale_()
+            # for an fp32 one): the entry is torch's fresh one again, the check forgotten.
+            self._scaler._forget(self._iteration, self._key)
+            return
         raise TypeError(
             f"_per_optimizer_states is a read-only view on ampscaler's GradScaler: writing "
             f"{key!r} there (as an unscale_() copied from torch's sharded scaler does) would "
@@ -189,6 +208,25 @@ class _OptimizerEntry(Mapping[str, Any]):
             ".values(): dist.all_reduce(flag, group=...)), or pass process_group= and let the "
             "scaler agree across ranks."
         )
+
+    def _ready(self) -> bool:
+        record = self._iteration.records.get(self._key)
+        return record is None or record.stage is OptState.READY
+
+
+def _empty_mapping(value: object) -> bool:
+    return isinstance(value, Mapping) and not value
+
+
+def _fresh_entry(value: object) -> bool:
+    """Whether ``value`` is torch's entry of an optimizer not seen in the iteration
+    (``_refresh_per_optimizer_state()``: stage ``READY``, no flags)."""
+    return (
+        isinstance(value, Mapping)
+        and set(value) == {"stage", "found_inf_per_device"}
+        and _stage_written("stage", value["stage"]) is OptState.READY
+        and _empty_mapping(value["found_inf_per_device"])
+    )
 
 
 def _stage_written(key: str, value: object) -> OptState | None:
@@ -213,11 +251,44 @@ class _Entries(defaultdict[int, _OptimizerEntry]):
         super().__init__()
         self._scaler, self._iteration = scaler, scaler._iteration
         for key in self._iteration.records:
-            self[key] = _OptimizerEntry(scaler, self._iteration, key)
+            super().__setitem__(key, _OptimizerEntry(scaler, self._iteration, key))
 
     def __missing__(self, key: int) -> _OptimizerEntry:
-        entry = self[key] = _OptimizerEntry(self._scaler, self._iteration, key)
+        entry = _OptimizerEntry(self._scaler, self._iteration, key)
+        super().__setitem__(key, entry)
         return entry
+
+    # Forgetting entries, as torch's dict forgets them: a trainer that gives up a batch after
+    # unscale_() (out of memory, or its gradients moved aside) clears the dict or pops the
+    # optimizer's entry, so that the next unscale_() checks new gradients; hivemind's scaler
+    # puts a fresh entry back after a step it does not update on.
+
+    def clear(self) -> None:
+        super().clear()
+        self._scaler._per_optimizer_states = {}  # as a fresh mapping assigned (module docstring)
+
+    def __delitem__(self, key: int) -> None:
+        super().__delitem__(key)
+        self._scaler._forget(self._iteration, key)
+
+    def pop(self, key: int, *default: Any) -> Any:
+        if key not in self:
+            return super().pop(key, *default)
+        entry = super().pop(key)
+        self._scaler._forget(self._iteration, key)
+        return entry
+
+    def __setitem__(self, key: int, value: _OptimizerEntry) -> None:
+        if not _fresh_entry(value):
+            raise TypeError(
+                "_per_optimizer_states takes only torch's fresh entry "
+                "(_refresh_per_optimizer_state()) on ampscaler's GradScaler: it forgets what "
+                "the iteration did with that optimizer. Its entries are read from ampscaler's "
+                "iteration: to change an optimizer's flags, change "
+                "_per_optimizer_states[id(optimizer)]['found_inf_per_device'] in place."
+            )
+        self._scaler._forget(self._iteration, key)
+        super().__setitem__(key, _OptimizerEntry(self._scaler, self._iteration, key))
 
 
 class _RuleNumber(Generic[_N]):
@@ -418,6 +489,14 @@ class TorchPrivateNames:
         found = record.found_inf
         live = self._state.require("step")
         self._stepped(record, False if found is None else found, record.spike, live)
+
+    def _forget(self, iteration: Iteration, key: int) -> None:
+        """The entry of the optimizer keyed ``key`` popped, deleted or made fresh, as torch's
+        dict forgets it: what the iteration did with that optimizer (its check, its flag, its
+        step) is forgotten, and ``unscale_()`` and ``step()`` start over for it. Into an
+        ended iteration's entries it changes nothing, as on torch's scaler."""
+        if iteration is self._iteration:
+            iteration.records.pop(key, None)
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         found: dict[torch.device, Any] = self._per_optimizer_states[id(optimizer)][
