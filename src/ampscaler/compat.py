@@ -11,7 +11,9 @@ values and effects torch gives them, from the scaler's own parts: its state
   the scale at a floor of its own, ``if scaler._scale < m: scaler._scale = torch.tensor(m)``,
   or a test setting a state to save) sets its value, validated as ``update(new_scale)`` is
   (an ``InvalidConfigError`` naming it; nothing changes): the live tensor keeps its identity,
-  where torch's takes the new tensor.
+  where torch's takes the new tensor. On a disabled scaler, as on torch's, neither exists
+  (reading one, or ``_get_scale_async()``, raises ``AttributeError``: code tells a disabled
+  scaler by ``hasattr(scaler, "_scale")``) until assigned; then it holds the value, never used.
 - ``_get_scale_async()``: the scale tensor without a sync (Accelerate, torch's tests);
   ``_get_growth_tracker()``: the growth tracker as an int (a host sync; torch's tests).
 - ``_init_scale``, ``_init_growth_tracker``: the scale and growth tracker given at construction,
@@ -372,6 +374,20 @@ def _put(state: ScalerState, name: str, value: object) -> float | int:
     return count
 
 
+def _unset_when_disabled(scaler: object, name: str) -> Any:
+    """``_scale`` or ``_growth_tracker`` of a disabled scaler: torch's constructor sets neither
+    when disabled, so reading one raises ``AttributeError`` (code tells a disabled scaler by
+    ``hasattr(scaler, "_scale")``) until code assigns it; then the value assigned, never used."""
+    try:
+        return scaler.__dict__[name]
+    except KeyError:
+        raise AttributeError(
+            f"{type(scaler).__name__!r} object has no attribute {name!r}: this scaler is "
+            "disabled, and a disabled scaler keeps no scale (torch's has no such attribute "
+            "either); get_scale() returns 1.0"
+        ) from None
+
+
 class TorchPrivateNames:
     """torch's private names over the scaler's state and iteration (module docstring).
 
@@ -392,19 +408,23 @@ class TorchPrivateNames:
     # ------------------------------------------------------------------ the state
 
     @property
-    def _scale(self) -> torch.Tensor | None:
+    def _scale(self) -> Any:
         return self._get_scale_async()
 
     @_scale.setter
     def _scale(self, value: object) -> None:
         # Code written for torch's scaler assigns it to set the value (a floor of its own after
         # update(), or a state before saving): written into the live scale, which keeps its
-        # identity. A disabled scaler never uses it, as torch's does not.
+        # identity. A disabled scaler keeps it and never uses it, as torch's.
         if self._enabled:
             _put(self._state, "_scale", value)
+        else:
+            self.__dict__["_scale"] = value
 
     @property
-    def _growth_tracker(self) -> torch.Tensor | None:
+    def _growth_tracker(self) -> Any:
+        if not self._enabled:
+            return _unset_when_disabled(self, "_growth_tracker")
         live = self._state.live
         return None if live is None else live.growth_tracker
 
@@ -412,9 +432,18 @@ class TorchPrivateNames:
     def _growth_tracker(self, value: object) -> None:
         if self._enabled:  # as _scale
             _put(self._state, "_growth_tracker", value)
+        else:
+            self.__dict__["_growth_tracker"] = value
 
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor without a sync (``None`` before a device is known)."""
+    def _get_scale_async(self) -> Any:
+        """The scale tensor without a sync (``None`` before a device is known).
+
+        Raises:
+            AttributeError: the scaler is disabled and ``_scale`` was never assigned, as
+                torch's (whose ``_get_scale_async()`` reads ``self._scale``).
+        """
+        if not self._enabled:
+            return _unset_when_disabled(self, "_scale")
         live = self._state.live
         return None if live is None else live.scale
 

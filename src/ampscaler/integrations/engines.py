@@ -154,7 +154,7 @@ class EngineScaler:
     def scale(self) -> torch.Tensor:
         """The live scale: a 0-dim float32 tensor on the device, updated in place. No sync."""
         scale = self.scaler._get_scale_async()
-        assert scale is not None  # made on the device at construction
+        assert isinstance(scale, torch.Tensor)  # made on the device at construction
         return scale
 
     def record(self, overflow: bool) -> None:
