@@ -24,7 +24,6 @@ saved or loaded; the state a resumed run gets must be torch's, after a skipped s
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 import ampscaler
+from test_client_dreamfusion_pattern import TORCH_KEYS, saved
 
 Factory = Callable[..., Any]
 MAX_ITER, NAN_LOSS_AT, CHECKPOINT_AT = 8, 6, 3
@@ -120,17 +120,6 @@ class Trainer:
         for self.iter in range(start, until):
             self.run_step(batches[self.iter], nan=self.iter == NAN_LOSS_AT)
             self.scales.append(self.grad_scaler.get_scale())
-
-
-def saved(state: dict[str, Any]) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
-    return loaded
-
-
-TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 def run(factory: Factory, resume_into: Factory | None = None) -> dict[str, Any]:
