@@ -21,6 +21,7 @@ values and effects torch gives them, from the scaler's own parts: its state
   state-dict tests). Assigned before the first ``scale()``, where the run starts (torch's
   scaler reads them only then, so code assigns them to choose it); later, only kept, as by
   torch's (whose ``load_state_dict()`` assigns them and fills the live tensors beside them).
+  A disabled scaler has neither until code assigns one, as torch's.
 - ``_per_optimizer_states``: ``{id(optimizer): {"stage": torch's OptState, "found_inf_per_device":
   {device: flag}}}`` for the iteration in progress, a new ``defaultdict`` on each read (torch's
   tests, code that checks whether an optimizer was unscaled). The flag is the optimizer's combined
@@ -57,7 +58,9 @@ values and effects torch gives them, from the scaler's own parts: its state
   (Accelerate's FSDP2 checkpoint loading calls it).
 - ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``: the dynamic rule's numbers,
   readable and writable (Accelerate's ``GradScalerKwargs`` test reads them; writes are
-  validated as the setters' are).
+  validated as the setters' are). A disabled scaler has none until code assigns one (then kept,
+  never used), as torch's: scripts read them with torch's defaults, ``getattr(scaler,
+  "_growth_interval", -1)``.
 - ``_enabled``: whether scaling is on (an attribute of the scaler itself).
 - ``_maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)``: torch's step-unless-flagged
   (``optimizer.step(...)`` unless the flags in ``optimizer_state["found_inf_per_device"]``
@@ -304,9 +307,14 @@ class _RuleNumber(Generic[_N]):
         # On the class (help(), inspect), the descriptor itself.
         if scaler is None:
             return cast(_N, self)
+        if not scaler._enabled:  # torch's constructor sets none when disabled
+            return cast(_N, _unset_when_disabled(scaler, f"_{self._field}"))
         return cast(_N, getattr(torch_rule(scaler._state.policy), self._field))
 
     def __set__(self, scaler: TorchPrivateNames, value: _N) -> None:
+        if not scaler._enabled:  # kept and never used, as on torch's disabled scaler
+            scaler.__dict__[f"_{self._field}"] = value
+            return
         scaler._state.change_rule(f"_{self._field}", **{self._field: value})
 
 
@@ -347,8 +355,9 @@ class _StartValue:
         self._name = name
 
     def __get__(self, scaler: TorchPrivateNames | None, owner: type) -> Any:
-        # On the class (help(), inspect), the descriptor itself.
-        return self if scaler is None else scaler.__dict__[self._name]
+        # On the class (help(), inspect), the descriptor itself. A disabled scaler has none
+        # until code assigns it, as torch's.
+        return self if scaler is None else _unset_when_disabled(scaler, self._name)
 
     def __set__(self, scaler: TorchPrivateNames, value: object) -> None:
         state: ScalerState | None = scaler.__dict__.get("_state")
@@ -375,16 +384,20 @@ def _put(state: ScalerState, name: str, value: object) -> float | int:
 
 
 def _unset_when_disabled(scaler: object, name: str) -> Any:
-    """``_scale`` or ``_growth_tracker`` of a disabled scaler: torch's constructor sets neither
-    when disabled, so reading one raises ``AttributeError`` (code tells a disabled scaler by
-    ``hasattr(scaler, "_scale")``) until code assigns it; then the value assigned, never used."""
+    """One of torch's names a disabled scaler lacks (``_scale``, ``_growth_tracker``,
+    ``_init_scale``, ``_init_growth_tracker``, ``_growth_factor``, ``_backoff_factor``,
+    ``_growth_interval``): torch's constructor sets none of them when disabled, so reading one
+    raises ``AttributeError`` (code tells a disabled scaler by ``hasattr(scaler, "_scale")``,
+    or reads ``getattr(scaler, "_growth_interval", -1)``) until code assigns it; then the value
+    assigned, never used."""
     try:
         return scaler.__dict__[name]
     except KeyError:
         raise AttributeError(
             f"{type(scaler).__name__!r} object has no attribute {name!r}: this scaler is "
-            "disabled, and a disabled scaler keeps no scale (torch's has no such attribute "
-            "either); get_scale() returns 1.0"
+            "disabled, and a disabled scaler keeps no scale or growth settings (torch's has no "
+            "such attribute either); get_scale() returns 1.0, and scaler.policy holds the "
+            "configured rule"
         ) from None
 
 

@@ -394,7 +394,7 @@ class GradScaler(TorchPrivateNames):
             "min_scale": min_scale, "max_scale": max_scale,
         }  # fmt: skip
         chosen = policy_from_arguments(policy, rule)
-        self._keep_start(starting_scale(chosen, init_scale), 0)
+        start = starting_scale(chosen, init_scale)
         self._max_consecutive_skips = check_skip_limit(max_consecutive_skips)
         self._gather: Callable[..., GradGroups] = collect  # one walk over the gradients
         self._planner: GradPlanner | None = None
@@ -404,7 +404,9 @@ class GradScaler(TorchPrivateNames):
         self._fused = FusedRoute(one_pass=check_switch("one_pass_fused", one_pass_fused))
         self._device, self._enabled = device_and_enabled(device, enabled)
         self._agreement: Agreement = agreement_for(process_group, self._refuses_unchecked, OneRank)
-        self._state = ScalerState(chosen, self._init_scale)
+        if self._enabled:  # torch's constructor keeps no start when disabled
+            self._keep_start(start, 0)
+        self._state = ScalerState(chosen, start)
         self._iteration = Iteration()
         self._finished: Iteration | None = None  # the last iteration update() ended
         # The scale the last batch under attempts() stepped at, where the policy set it (its
