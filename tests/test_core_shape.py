@@ -79,7 +79,7 @@ def test_the_scaler_branches_on_its_optional_parts_at_most_three_times() -> None
     assert len(branches) <= 3, "\n".join(map(str, branches))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36 asks <= 4,800; 6,352 after this round")
+@pytest.mark.xfail(strict=True, reason="issue 36 asks <= 4,800; 6,360 after this round")
 def test_the_library_holds_at_most_4800_lines_of_code() -> None:
     assert core_shape.lines_of_code(core_shape.SRC) <= 4800
 
